@@ -1,0 +1,66 @@
+"""Checkpoints: the weights, the resolved config and the tokenizer beside them."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from frontier.config import ModelConfig
+from frontier.model import GPT
+from frontier.tokenizer import Tokenizer
+
+FORMAT = 1
+
+
+def save_final(path: Path, model: GPT, config: dict, tokenizer: Tokenizer) -> None:
+    """Writes `final.pt` and a copy of the tokenizer beside it, each atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_copy = path.parent / "tokenizer.json"
+    if tokenizer.path is not None and Path(tokenizer.path).resolve() != tokenizer_copy.resolve():
+        tmp = tokenizer_copy.with_suffix(".tmp")
+        shutil.copyfile(tokenizer.path, tmp)
+        os.replace(tmp, tokenizer_copy)
+    payload = {
+        "format": FORMAT,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "config": config,
+        "vocab_size": model.vocab_size,
+        "tokenizer": "tokenizer.json",  # relative to the checkpoint's folder
+        "tokenizer_fingerprint": tokenizer.fingerprint(),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _read(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a frontier checkpoint (format {FORMAT})")
+    return payload
+
+
+def model_config(payload: dict) -> ModelConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), payload["config"]["model"]))
+
+
+def load_for_eval(checkpoint_path: str | os.PathLike, device: str | torch.device = "cpu") -> GPT:
+    """A single-device model with a pure causal forward: `model(idx) -> logits`."""
+    payload = _read(checkpoint_path)
+    model = GPT(model_config(payload), payload["vocab_size"])
+    model.load_state_dict(payload["model"])
+    return model.to(device).eval()
+
+
+def load_tokenizer(checkpoint_path: str | os.PathLike) -> Tokenizer:
+    payload = _read(checkpoint_path)
+    path = Path(checkpoint_path).parent / payload["tokenizer"]
+    if not path.is_file():
+        raise FileNotFoundError(f"the tokenizer of checkpoint {checkpoint_path} is missing: expected {path}")
+    return Tokenizer.load(path)

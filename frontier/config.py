@@ -1,0 +1,268 @@
+"""Typed schemas for every config group.
+
+Hydra merges conf/*.yaml into these dataclasses, so an unknown key or a wrong type fails at
+composition. Range checks live in each ``__post_init__`` and run when ``to_config`` turns the
+composed DictConfig into objects, before any data is touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_path(path: str | Path) -> Path:
+    """Caches and the MLflow store live under the project root, wherever the command runs."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+class ConfigError(ValueError):
+    """A config value that is out of range or inconsistent with another."""
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    _require(value in options, key, value, f"choose one of {', '.join(options)}")
+
+
+def _fraction(key: str, value: float) -> None:
+    _require(0.0 <= value <= 1.0, key, value, "must be between 0 and 1")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "base"
+    depth: int = 10
+    d_model: int = 640
+    n_head: int = 5
+    seq_len: int = 1024
+    mlp_ratio: float = 4.0
+    rope_base: float = 10000.0
+    softcap: Optional[float] = 15.0  # logits -> softcap * tanh(logits / softcap); null = none
+    embed_std: float = 1.0
+    head_std: float = 0.001
+    zero_init_proj: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("depth", "d_model", "n_head", "seq_len"):
+            value = getattr(self, key)
+            _require(value >= 1, f"model.{key}", value, "must be a positive integer")
+        _require(self.d_model % self.n_head == 0, "model.d_model", self.d_model,
+                 f"must be divisible by model.n_head={self.n_head}")
+        _require((self.d_model // self.n_head) % 2 == 0, "model.n_head", self.n_head,
+                 f"head size d_model/n_head={self.d_model / self.n_head:g} must be even for rotary")
+        _require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "must be positive")
+        _require(self.rope_base > 0, "model.rope_base", self.rope_base, "must be positive")
+        _require(self.softcap is None or self.softcap > 0, "model.softcap", self.softcap,
+                 "must be positive or null")
+        for key in ("embed_std", "head_std"):
+            value = getattr(self, key)
+            _require(value >= 0, f"model.{key}", value, "must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "muon"  # muon: Muon for block matrices + AdamW for the rest; adamw: AdamW for all
+    matrix_lr: float = 0.04
+    embedding_lr: float = 0.6
+    unembedding_lr: float = 0.004
+    weight_decay: float = 0.2  # decoupled, on the block matrices only
+    adam_betas: list[float] = field(default_factory=lambda: [0.8, 0.95])
+    adam_eps: float = 1e-10
+    ns_coefficients: str = "polar_express"  # Newton-Schulz coefficients: classic | polar_express
+    ns_steps: int = 5
+
+    def __post_init__(self) -> None:
+        _choice("optim.name", self.name, ("muon", "adamw"))
+        _choice("optim.ns_coefficients", self.ns_coefficients, ("classic", "polar_express"))
+        for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay"):
+            value = getattr(self, key)
+            _require(value >= 0, f"optim.{key}", value, "must be >= 0")
+        _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+                 "optim.adam_betas", list(self.adam_betas), "two numbers in [0, 1)")
+        _require(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "must be positive")
+        _require(1 <= self.ns_steps <= 10, "optim.ns_steps", self.ns_steps, "between 1 and 10")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate and momentum schedules, all functions of budget progress in [0, 1]."""
+
+    name: str = "wsd"  # wsd | cosine | constant
+    warmup_fraction: float = 0.0
+    warmdown_fraction: float = 0.5  # wsd only: the last fraction of the budget decays linearly
+    final_lr_fraction: float = 0.0
+    momentum_start: float = 0.85  # Muon momentum warms up from start to end
+    momentum_end: float = 0.95
+    momentum_warmup_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("schedule.name", self.name, ("wsd", "cosine", "constant"))
+        for key in ("warmup_fraction", "warmdown_fraction", "final_lr_fraction",
+                    "momentum_start", "momentum_end", "momentum_warmup_fraction"):
+            _fraction(f"schedule.{key}", getattr(self, key))
+        if self.name == "wsd":
+            total = self.warmup_fraction + self.warmdown_fraction
+            _require(total <= 1.0, "schedule.warmdown_fraction", self.warmdown_fraction,
+                     f"warmup_fraction + warmdown_fraction must be <= 1 (is {total:g})")
+
+
+@dataclass
+class KernelConfig:
+    name: str = "reference"  # reference: eager PyTorch; compiled: torch.compile of the model
+    compile_mode: Optional[str] = None  # passed to torch.compile (e.g. max-autotune)
+
+    def __post_init__(self) -> None:
+        _choice("kernel.name", self.name, ("reference", "compiled"))
+
+
+@dataclass
+class BudgetConfig:
+    """What is charged: training-step time after the first `excluded_steps` (compilation),
+    whose time is forgiven up to `startup_cap_seconds`. Evaluation is never charged."""
+
+    name: str = "phase1"
+    seconds: float = 1800.0
+    excluded_steps: int = 5
+    startup_cap_seconds: float = 900.0
+    max_steps: Optional[int] = None  # also stop after this many steps; progress then = step/max_steps
+
+    def __post_init__(self) -> None:
+        _require(self.seconds > 0, "budget.seconds", self.seconds, "must be positive")
+        _require(self.excluded_steps >= 0, "budget.excluded_steps", self.excluded_steps, "must be >= 0")
+        _require(self.startup_cap_seconds >= 0, "budget.startup_cap_seconds",
+                 self.startup_cap_seconds, "must be >= 0")
+        _require(self.max_steps is None or self.max_steps >= 1, "budget.max_steps",
+                 self.max_steps, "must be a positive integer or null")
+
+
+@dataclass
+class DataConfig:
+    name: str = "local"
+    source: str = "local"  # local: files under `path`; hub: parquet shards of a Hugging Face dataset
+    path: Optional[str] = None  # local: a directory of .parquet/.jsonl/.txt files, or one file
+    hub_repo: Optional[str] = None  # hub: dataset repo with shard_%05d.parquet files
+    hub_last_shard: int = 0  # hub: index of the last shard, which is the validation split
+    train_shards: int = 8  # hub: how many training shards to download and use
+    text_column: str = "text"
+    val_fraction: float = 0.1  # a single .txt/.jsonl file: the tail held out for validation
+    vocab_size: int = 8192  # BPE merges + byte tokens; a BOS token is added on top
+    tokenizer_path: Optional[str] = None  # an existing tokenizer.json instead of training one
+    tokenizer_train_chars: int = 100_000_000
+    cache_dir: str = ".cache"  # relative to the project root
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, ("local", "hub"))
+        if self.source == "local":
+            _require(bool(self.path), "data.path", self.path, "set it to a directory or file of text")
+        else:
+            _require(bool(self.hub_repo), "data.hub_repo", self.hub_repo, "set it to a dataset repo id")
+            _require(self.train_shards >= 1, "data.train_shards", self.train_shards, "must be >= 1")
+            _require(self.train_shards <= self.hub_last_shard, "data.train_shards", self.train_shards,
+                     f"at most data.hub_last_shard={self.hub_last_shard}")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _require(260 <= self.vocab_size <= 65535, "data.vocab_size", self.vocab_size,
+                 "between 260 (bytes + a few merges) and 65535 (tokens are stored as uint16)")
+        _require(self.tokenizer_train_chars > 0, "data.tokenizer_train_chars",
+                 self.tokenizer_train_chars, "must be positive")
+
+
+@dataclass
+class TrainConfig:
+    batch_tokens: int = 65536  # global tokens per optimizer step
+    device_batch_rows: int = 8  # rows of seq_len per forward/backward; the rest is accumulation
+    log_every_fraction: float = 0.005  # metrics cadence, as a fraction of the budget
+
+    def __post_init__(self) -> None:
+        _require(self.batch_tokens >= 1, "train.batch_tokens", self.batch_tokens, "must be positive")
+        _require(self.device_batch_rows >= 1, "train.device_batch_rows", self.device_batch_rows,
+                 "must be positive")
+        _require(0 < self.log_every_fraction <= 1, "train.log_every_fraction",
+                 self.log_every_fraction, "must be in (0, 1]")
+
+
+@dataclass
+class EvalConfig:
+    every_fraction: float = 0.1  # val_bpb at each k-th fraction of the budget (0 = only at the end)
+    checkpoint_tokens: int = 524_288  # tokens of the fixed subset evaluated during training
+    final_tokens: int = 20_971_520  # tokens of the final evaluation (capped by the split)
+    batch_rows: int = 8
+    core: bool = False  # CORE after training, outside the budget
+    core_bundle: str = "../shared/data/core"
+    core_max_per_task: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _fraction("eval.every_fraction", self.every_fraction)
+        for key in ("checkpoint_tokens", "final_tokens", "batch_rows"):
+            value = getattr(self, key)
+            _require(value >= 1, f"eval.{key}", value, "must be positive")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///<root>/mlruns/mlflow.db
+    experiment: str = "frontier"
+    required: bool = True  # an unreachable store stops the run before training
+    log_checkpoint: bool = False
+    run_name: Optional[str] = None
+    parent_run_id: Optional[str] = None  # set by the sweeper: trials are nested under the sweep's run
+
+
+@dataclass
+class TrialConfig:
+    """Set by the sweeper: which Optuna trial this job reports to."""
+
+    study: Optional[str] = None
+    storage: Optional[str] = None
+    number: Optional[int] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    schedule: ScheduleConfig = MISSING
+    kernel: KernelConfig = MISSING
+    budget: BudgetConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    trial: TrialConfig = field(default_factory=TrialConfig)
+    device: str = "auto"  # auto | cpu | cuda | neuron (a specific index like cuda:1 also works)
+    precision: str = "bf16"  # bf16: autocast where the device has it; fp32: full precision
+    seed: int = 1337
+    compile_only: bool = False  # build and compile the model, run the excluded steps, then exit
+
+    def __post_init__(self) -> None:
+        _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",
+                 self.device, "choose one of auto, cpu, cuda, cuda:N, neuron")
+        _choice("precision", self.precision, ("bf16", "fp32"))
+        rows_per_step, remainder = divmod(self.train.batch_tokens, self.model.seq_len)
+        _require(remainder == 0, "train.batch_tokens", self.train.batch_tokens,
+                 f"must be a multiple of model.seq_len={self.model.seq_len}")
+        _require(rows_per_step % self.train.device_batch_rows == 0 or
+                 rows_per_step < self.train.device_batch_rows, "train.device_batch_rows",
+                 self.train.device_batch_rows,
+                 f"must divide the {rows_per_step} rows of a step (train.batch_tokens / model.seq_len)")
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="frontier_schema", node=Config)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve interpolations and build the typed objects, running every range check."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -1,0 +1,306 @@
+"""Text files -> documents -> tokenizer -> memory-mapped token cache -> BOS-aligned batches.
+
+Training and validation come from disjoint files: by the pretraining-shard convention the last
+file of a directory is the validation split. A single .txt/.jsonl file is split by documents
+instead (its tail, `data.val_fraction`, is held out).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from filelock import FileLock
+
+from frontier.config import DataConfig, project_path
+from frontier.tokenizer import Tokenizer, train_tokenizer
+
+TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
+CACHE_VERSION = 1  # bump when the on-disk token format changes, so old caches are rebuilt
+
+
+class DataError(ValueError):
+    """Data that cannot be used as asked: missing, empty, or malformed."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """Files of one split; for a single file split by documents, the slice of documents used."""
+
+    files: tuple[Path, ...]
+    doc_slice: tuple[float, float] = (0.0, 1.0)  # fraction range of each file's documents
+
+    def identity(self) -> list:
+        """What a cache built from this split depends on: paths, sizes, modification times."""
+        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files] + [list(self.doc_slice)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the files
+
+
+def resolve_splits(cfg: DataConfig) -> tuple[Split, Split]:
+    if cfg.source == "hub":
+        return _download_hub_shards(cfg)
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data.path={cfg.path!r} does not exist (resolved to {path.resolve()})")
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES and p.is_file())
+    if not files:
+        raise DataError(f"data.path={cfg.path!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
+    suffixes = {f.suffix for f in files}
+    if len(suffixes) > 1:
+        raise DataError(f"data.path={cfg.path!r} mixes file types {sorted(suffixes)}; keep one type per directory")
+    if len(files) == 1:
+        if files[0].suffix == ".parquet":
+            raise DataError(f"data.path={cfg.path!r} has a single parquet shard; the last shard is the "
+                            "validation split, so at least two are needed")
+        cut = 1.0 - cfg.val_fraction
+        return Split(tuple(files), (0.0, cut)), Split(tuple(files), (cut, 1.0))
+    return Split(tuple(files[:-1])), Split((files[-1],))
+
+
+def _download_hub_shards(cfg: DataConfig) -> tuple[Split, Split]:
+    """Fetch shard_%05d.parquet files of a hub dataset; the last shard is validation."""
+    from huggingface_hub import hf_hub_download
+
+    target = project_path(cfg.cache_dir) / "hub" / cfg.hub_repo.replace("/", "__")
+
+    def fetch(index: int) -> Path:
+        name = f"shard_{index:05d}.parquet"
+        local = target / name
+        if local.is_file():
+            return local
+        try:
+            return Path(hf_hub_download(cfg.hub_repo, name, repo_type="dataset", local_dir=target))
+        except Exception as err:  # network, auth or a missing file: say which shard and why
+            raise DataError(f"could not download {name} of data.hub_repo={cfg.hub_repo!r}: {err}") from err
+
+    train = tuple(fetch(i) for i in range(cfg.train_shards))
+    return Split(train), Split((fetch(cfg.hub_last_shard),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading documents
+
+
+def _load_file(path: Path, text_column: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}[path.suffix]
+    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    except Exception as err:
+        raise DataError(f"cannot read {path}: {type(err).__name__}: {err}") from err
+    column = "text" if builder == "text" else text_column
+    if column not in ds.column_names:
+        raise DataError(f"{path} has no {column!r} column (columns: {', '.join(ds.column_names)}); "
+                        "set data.text_column")
+    return ds, column
+
+
+def iter_documents(split: Split, text_column: str, chunk: int = 1024) -> Iterator[list[str]]:
+    """Chunks of non-empty documents, in file order."""
+    lo, hi = split.doc_slice
+    for path in split.files:
+        ds, column = _load_file(path, text_column)
+        start, stop = int(round(lo * len(ds))), int(round(hi * len(ds)))
+        for begin in range(start, stop, chunk):
+            texts = ds[begin:min(begin + chunk, stop)][column]
+            yield [t for t in texts if t]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and token cache
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
+    """`data.tokenizer_path`, or a BPE trained on the training split and cached by its inputs."""
+    if cfg.tokenizer_path:
+        return Tokenizer.load(Path(cfg.tokenizer_path).expanduser())
+    key = _digest([CACHE_VERSION, train.identity(), cfg.vocab_size, cfg.tokenizer_train_chars, cfg.text_column])
+    path = project_path(cfg.cache_dir) / "tokenizers" / key / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return Tokenizer.load(path)
+
+        def texts() -> Iterator[str]:
+            seen = 0
+            for docs in iter_documents(train, cfg.text_column):
+                for doc in docs:
+                    yield doc
+                    seen += len(doc)
+                    if seen >= cfg.tokenizer_train_chars:
+                        return
+
+        tokenizer = train_tokenizer(texts(), cfg.vocab_size)
+        tokenizer.save(path)
+        return tokenizer
+
+
+class TokenCorpus:
+    """Documents as one uint16 token stream (each document starts with BOS) plus offsets."""
+
+    def __init__(self, directory: Path):
+        meta = json.loads((directory / "meta.json").read_text())
+        self.directory = directory
+        self.meta = meta
+        self.tokens = np.memmap(directory / "tokens.bin", dtype=np.uint16, mode="r")
+        self.offsets = np.load(directory / "offsets.npy")
+        if len(self.tokens) != meta["tokens"] or len(self.offsets) != meta["documents"] + 1:
+            raise DataError(f"token cache {directory} is inconsistent with its meta.json")
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def document(self, index: int) -> np.ndarray:
+        return self.tokens[self.offsets[index]:self.offsets[index + 1]]
+
+
+def load_corpus(split: Split, tokenizer: Tokenizer, cfg: DataConfig, name: str) -> TokenCorpus:
+    """The tokenized split, from the cache when its inputs are unchanged; built once under a lock."""
+    key = _digest([CACHE_VERSION, split.identity(), tokenizer.fingerprint(), cfg.text_column])
+    directory = project_path(cfg.cache_dir) / "tokens" / f"{name}-{key}"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(directory) + ".lock"):
+        if not (directory / "meta.json").is_file():
+            _build_corpus(split, tokenizer, cfg.text_column, directory)
+        return TokenCorpus(directory)
+
+
+def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, directory: Path) -> None:
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    offsets, total, docs = [0], 0, 0
+    with open(tmp / "tokens.bin", "wb") as out:
+        for texts in iter_documents(split, text_column):
+            for ids in tokenizer.encode_batch(texts):
+                row = np.asarray([tokenizer.bos_id, *ids], dtype=np.uint16)
+                out.write(row.tobytes())
+                total += len(row)
+                offsets.append(total)
+                docs += 1
+    if docs == 0:
+        shutil.rmtree(tmp)
+        raise DataError(f"no non-empty documents in {', '.join(map(str, split.files))}")
+    np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    meta = {"version": CACHE_VERSION, "tokens": total, "documents": docs,
+            "files": [str(f) for f in split.files], "doc_slice": list(split.doc_slice),
+            "tokenizer": tokenizer.fingerprint()}
+    # meta.json is written last: its presence marks a complete cache, and the rename is atomic.
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+class PackedLoader:
+    """Best-fit packing of whole documents into rows of seq_len + 1 tokens, each starting at BOS.
+
+    From a buffer of documents, each row takes the longest document that still fits; when none
+    fits, the shortest is cropped to fill the row. Deterministic for a seed; `state_dict` holds
+    the position so that a resumed run sees the same rows.
+    """
+
+    def __init__(self, corpus: TokenCorpus, seq_len: int, rows: int, seed: int = 0,
+                 shuffle: bool = True, buffer_size: int = 256):
+        self.corpus = corpus
+        self.row_len = seq_len + 1
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.lengths = corpus.doc_lengths()
+        self.epoch, self.cursor = 0, 0
+        self.order = self._order(0)
+        size = min(buffer_size, corpus.num_documents)
+        self.buffer = np.array([self._next_doc() for _ in range(size)], dtype=np.int64)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.corpus.num_documents)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.corpus.num_documents)
+
+    def _next_doc(self) -> int:
+        if self.cursor == len(self.order):
+            self.epoch += 1
+            self.order = self._order(self.epoch)
+            self.cursor = 0
+        doc = int(self.order[self.cursor])
+        self.cursor += 1
+        return doc
+
+    def next_rows(self) -> np.ndarray:
+        out = np.empty((self.rows, self.row_len), dtype=np.int64)
+        for r in range(self.rows):
+            pos = 0
+            while pos < self.row_len:
+                remaining = self.row_len - pos
+                lengths = self.lengths[self.buffer]
+                fits = np.where(lengths <= remaining, lengths, -1)
+                slot = int(fits.argmax())
+                if fits[slot] < 0:  # nothing fits whole: crop the shortest document
+                    slot = int(lengths.argmin())
+                take = min(int(lengths[slot]), remaining)
+                out[r, pos:pos + take] = self.corpus.document(int(self.buffer[slot]))[:take]
+                pos += take
+                self.buffer[slot] = self._next_doc()
+        return out
+
+    def next_batch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.from_numpy(self.next_rows())
+        rows = rows.to(device, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": self.buffer.tolist(), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = state["seed"]
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.order = self._order(self.epoch)
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+
+
+def validation_rows(corpus: TokenCorpus, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """The fixed validation set: rows packed in file order, without ever repeating a document."""
+    want = max(1, -(-max_tokens // seq_len))
+    loader = PackedLoader(corpus, seq_len, rows=1, shuffle=False, buffer_size=32)
+    rows = []
+    # The buffer reads ahead, so stop once it has wrapped: later rows would repeat documents.
+    while len(rows) < want and loader.epoch == 0:
+        rows.append(loader.next_rows()[0])
+    if loader.epoch > 0 and len(rows) > 1:
+        rows.pop()
+    if corpus.num_tokens < seq_len + 1:
+        raise DataError(f"the validation split has {corpus.num_tokens} tokens, fewer than one row of "
+                        f"model.seq_len + 1 = {seq_len + 1}")
+    return torch.from_numpy(np.stack(rows))

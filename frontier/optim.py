@@ -1,0 +1,99 @@
+"""Muon for the block matrices, AdamW for embedding and head (or AdamW for everything)."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from frontier.config import OptimConfig
+
+CLASSIC = ((3.4445, -4.7750, 2.0315),)
+POLAR_EXPRESS = (
+    (8.1566, -22.4833, 15.8788),
+    (4.0429, -2.8089, 0.5000),
+    (3.8917, -2.7725, 0.5061),
+    (3.2858, -2.3681, 0.4645),
+    (2.3465, -1.7098, 0.4232),
+)
+COEFFICIENTS = {"classic": CLASSIC, "polar_express": POLAR_EXPRESS}
+
+
+def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express") -> torch.Tensor:
+    """Push the singular values of G (..., m, n) towards 1 with a Newton-Schulz iteration in bf16.
+
+    Works on a stack of same-shape matrices at once. Each step uses its own (a, b, c); past the
+    end of the table the last one repeats (the classic iteration has a single triple).
+    """
+    table = COEFFICIENTS[coefficients]
+    X = G.bfloat16()
+    tall = X.size(-2) > X.size(-1)
+    if tall:  # iterate on the smaller Gram matrix
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)  # spectral norm <= Frobenius norm < 1
+    for i in range(steps):
+        a, b, c = table[min(i, len(table) - 1)]
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+class Muon(torch.optim.Optimizer):
+    """Nesterov momentum, then the orthogonalised update scaled by max(1, rows/cols)^0.5."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
+                 ns_steps: int = 5, coefficients: str = "polar_express"):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps,
+                        coefficients=coefficients)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            by_shape: dict[torch.Size, list[nn.Parameter]] = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape[p.shape].append(p)
+            mom = group["momentum"]
+            for shape, params in by_shape.items():
+                updates = []
+                for p in params:
+                    buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                    buf.lerp_(p.grad, 1 - mom)
+                    updates.append(p.grad.lerp(buf, mom))  # Nesterov: look ahead along the momentum
+                ortho = orthogonalize(torch.stack(updates), group["ns_steps"], group["coefficients"])
+                scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
+                for p, o in zip(params, ortho):
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
+
+
+def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
+                     device_kind: str) -> list[torch.optim.Optimizer]:
+    """One optimizer per algorithm; every param group remembers its base LR for the schedule."""
+    adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=device_kind == "cuda")
+    adam_groups = [
+        dict(params=groups["embedding"], lr=cfg.embedding_lr, weight_decay=0.0),
+        dict(params=groups["unembedding"], lr=cfg.unembedding_lr, weight_decay=0.0),
+    ]
+    if cfg.name == "adamw":
+        adam_groups.append(dict(params=groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay))
+        optimizers = [torch.optim.AdamW(adam_groups, **adam)]
+    else:
+        optimizers = [
+            torch.optim.AdamW(adam_groups, **adam),
+            Muon(groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay,
+                 ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients),
+        ]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["base_lr"] = group["lr"]
+    return optimizers
+
+
+def apply_schedule(optimizers: list[torch.optim.Optimizer], lr_multiplier: float, momentum: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * lr_multiplier
+            if isinstance(opt, Muon):
+                group["momentum"] = momentum
