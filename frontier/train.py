@@ -172,12 +172,12 @@ def loop(run: Run, display: RunDisplay) -> None:
             loss_sum, loss_count, log_start = torch.zeros(()), 0, (time.perf_counter(), clock.charged)
             while next_log <= progress:
                 next_log += log_every
-        while progress >= next_eval - 1e-9 and not clock.done:
-            k = round(next_eval / eval_every)
+        if progress >= next_eval - 1e-9 and not clock.done:
+            k = int(progress / eval_every + 1e-9)  # a long step may cross several fractions: report the last
             bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)  # outside clock.step: uncharged
             display.note(f"checkpoint {k}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
             observers.notify(run.observers, "on_checkpoint", k, bpb, clock.steps, progress)
-            next_eval += eval_every
+            next_eval = (k + 1) * eval_every
     run.summary["tokens_seen"] = tokens
 
 

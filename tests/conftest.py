@@ -1,0 +1,47 @@
+"""Shared helpers: compose configs with Hydra's compose API and shrink them for the CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from frontier.config import register_schemas
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+WIKI = SHARED / "data" / "text" / "wiki_en"
+
+# A tiny model on the real Wikipedia shards: small vocab so the tokenizer trains in seconds.
+FAST = [
+    "model=tiny",
+    f"data.path={WIKI}",
+    "data.vocab_size=1024",
+    "data.tokenizer_train_chars=2000000",
+    "eval.checkpoint_tokens=4096",
+    "eval.final_tokens=16384",
+    "tracking.enabled=false",
+]
+
+register_schemas()
+
+
+def compose_config(overrides: list[str] = ()):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m frontier.train ARGS` from the project root, as a user would type it."""
+    return subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def wiki():
+    if not WIKI.is_dir():
+        pytest.skip(f"shared data not found at {WIKI}")
+    return WIKI

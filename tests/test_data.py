@@ -1,0 +1,112 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from frontier import data as data_module
+from frontier.config import DataConfig
+from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
+
+
+def write_shards(folder, docs_per_shard, shards=3, words=40):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    vocab = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    for s in range(shards):
+        docs = [" ".join(rng.choice(vocab, size=rng.integers(3, words))) + f" doc{s}.{i}"
+                for i in range(docs_per_shard)]
+        pq.write_table(pa.table({"text": docs}), folder / f"shard_{s:05d}.parquet")
+    return folder
+
+
+def config(tmp_path, path, **kw):
+    return DataConfig(path=str(path), vocab_size=300, tokenizer_train_chars=100_000,
+                      cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def corpus_of(tmp_path, folder):
+    cfg = config(tmp_path, folder)
+    train, val = resolve_splits(cfg)
+    tokenizer = load_tokenizer(cfg, train)
+    return cfg, train, val, tokenizer, load_corpus(train, tokenizer, cfg, "train")
+
+
+def test_last_shard_is_validation_and_never_trained_on(tmp_path):
+    folder = write_shards(tmp_path / "shards", 50)
+    train, val = resolve_splits(config(tmp_path, folder))
+    assert [f.name for f in train.files] == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert [f.name for f in val.files] == ["shard_00002.parquet"]
+
+
+def test_loader_is_deterministic_and_every_row_starts_with_bos(tmp_path):
+    cfg, train, val, tokenizer, corpus = corpus_of(tmp_path, write_shards(tmp_path / "s", 200))
+    first = PackedLoader(corpus, seq_len=32, rows=8, seed=7)
+    second = PackedLoader(corpus, seq_len=32, rows=8, seed=7)
+    other = PackedLoader(corpus, seq_len=32, rows=8, seed=8)
+    a = np.concatenate([first.next_rows() for _ in range(5)])
+    b = np.concatenate([second.next_rows() for _ in range(5)])
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, np.concatenate([other.next_rows() for _ in range(5)]))
+    assert a.shape == (40, 33) and np.all(a[:, 0] == tokenizer.bos_id)
+
+
+def test_loader_state_resumes_the_same_rows(tmp_path):
+    *_, corpus = corpus_of(tmp_path, write_shards(tmp_path / "s", 100))
+    loader = PackedLoader(corpus, seq_len=16, rows=4, seed=1)
+    loader.next_rows()
+    state = loader.state_dict()
+    expected = [loader.next_rows() for _ in range(30)]  # crosses an epoch boundary
+    resumed = PackedLoader(corpus, seq_len=16, rows=4, seed=1)
+    resumed.load_state_dict(state)
+    assert all(np.array_equal(e, resumed.next_rows()) for e in expected)
+
+
+def test_validation_rows_come_from_the_held_out_shard_without_repeats(tmp_path):
+    cfg, train, val, tokenizer, _ = corpus_of(tmp_path, write_shards(tmp_path / "s", 60))
+    val_corpus = load_corpus(val, tokenizer, cfg, "val")
+    rows = validation_rows(val_corpus, seq_len=16, max_tokens=10**9)
+    text = tokenizer.decode([t for t in rows.flatten().tolist() if t != tokenizer.bos_id])
+    assert "doc2." in text and "doc0." not in text and "doc1." not in text
+    assert rows.numel() <= val_corpus.num_tokens
+
+
+def test_second_load_reuses_the_caches(tmp_path, monkeypatch):
+    folder = write_shards(tmp_path / "s", 50)
+    corpus_of(tmp_path, folder)
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a: pytest.fail("tokenizer retrained"))
+    monkeypatch.setattr(data_module, "_build_corpus", lambda *a: pytest.fail("corpus rebuilt"))
+    *_, corpus = corpus_of(tmp_path, folder)
+    assert corpus.num_documents == 100
+
+
+def test_a_text_file_is_split_by_documents(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n".join(f"Paragraph number {i} of the book." for i in range(100)))
+    cfg = config(tmp_path, path, val_fraction=0.2)
+    train, val = resolve_splits(cfg)
+    tokenizer = load_tokenizer(cfg, train)
+    assert load_corpus(train, tokenizer, cfg, "train").num_documents == 80
+    assert load_corpus(val, tokenizer, cfg, "val").num_documents == 20
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "does not exist"),
+    (lambda d: d.mkdir(), "holds no"),
+    (lambda d: write_shards(d, 5, shards=1), "single parquet shard"),
+])
+def test_unusable_paths_are_clear_errors(tmp_path, setup, message):
+    folder = tmp_path / "data"
+    setup(folder)
+    with pytest.raises(DataError, match=message):
+        resolve_splits(config(tmp_path, folder))
+
+
+def test_a_shard_without_a_text_column_names_the_file(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for s in range(2):
+        pq.write_table(pa.table({"body": ["some words here"] * 5}), folder / f"shard_{s:05d}.parquet")
+    cfg = config(tmp_path, folder)
+    train, _ = resolve_splits(cfg)
+    with pytest.raises(DataError, match=r"shard_00000.parquet has no 'text' column \(columns: body\)"):
+        load_tokenizer(cfg, train)

@@ -1,0 +1,90 @@
+"""End to end on the real Wikipedia shards with the tiny model."""
+import json
+import math
+
+import pytest
+import torch
+
+from frontier import data as data_module
+from frontier import load_for_eval
+from frontier.checkpoint import load_tokenizer
+from frontier.config import to_config
+from frontier.data import load_corpus, load_tokenizer as data_tokenizer, resolve_splits, validation_rows
+from frontier.device import resolve_device
+from frontier.evaluate import val_bpb
+from frontier.model import GPT
+from frontier.progress import RunDisplay
+from frontier.train import train
+from tests.conftest import FAST, compose_config, run_cli
+
+SUMMARY_KEYS = {"val_bpb", "params", "flops_per_token", "steps", "tokens_seen", "tokens_per_second", "mfu",
+                "budget_seconds", "charged_seconds", "excluded_seconds", "budget_utilization", "device", "status"}
+
+
+def validation_set(raw):
+    config = to_config(raw)
+    train_split, val_split = resolve_splits(config.data)
+    tokenizer = data_tokenizer(config.data, train_split)
+    corpus = load_corpus(val_split, tokenizer, config.data, "val")
+    return tokenizer, validation_rows(corpus, config.model.seq_len, config.eval.final_tokens)
+
+
+@pytest.mark.slow
+def test_a_short_tiny_run_learns_and_leaves_a_loadable_checkpoint(wiki, tmp_path):
+    raw = compose_config([*FAST, "budget.seconds=25", "eval.every_fraction=0.25"])
+    bpb = train(raw, tmp_path, RunDisplay(enabled=False))
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["status"] == "FINISHED" and summary["val_bpb"] == bpb
+    assert summary["charged_seconds"] >= 25 and summary["budget_utilization"] >= 1.0
+    assert summary["steps"] > 5 and summary["tokens_seen"] == summary["steps"] * 8192
+
+    tokenizer, rows = validation_set(raw)
+    device = resolve_device("cpu", "bf16")
+    torch.manual_seed(0)
+    untrained = GPT(to_config(raw).model, tokenizer.vocab_size)
+    untrained_bpb, _ = val_bpb(untrained, rows, tokenizer.token_bytes, device, batch_rows=8)
+    assert bpb < untrained_bpb - 0.5, (bpb, untrained_bpb)
+
+    model = load_for_eval(tmp_path / "final.pt", "cpu")
+    reloaded, _ = val_bpb(model, rows, tokenizer.token_bytes, device, batch_rows=8)
+    assert math.isclose(reloaded, bpb, rel_tol=1e-3)
+    assert load_tokenizer(tmp_path / "final.pt").fingerprint() == tokenizer.fingerprint()
+    with torch.no_grad():
+        logits = model(rows[:1, :-1])
+    assert logits.shape == (1, 256, tokenizer.vocab_size) and logits.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_the_tokenizer_and_token_caches(wiki, tmp_path, monkeypatch):
+    raw = compose_config([*FAST, "budget.max_steps=2"])
+    train(raw, tmp_path / "first", RunDisplay(enabled=False))
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a: pytest.fail("tokenizer retrained"))
+    monkeypatch.setattr(data_module, "_build_corpus", lambda *a: pytest.fail("corpus rebuilt"))
+    train(raw, tmp_path / "second", RunDisplay(enabled=False))
+    assert json.loads((tmp_path / "second" / "summary.json").read_text())["status"] == "FINISHED"
+
+
+def test_checkpoints_are_reported_at_budget_fractions(wiki, tmp_path, monkeypatch):
+    from frontier import observers
+
+    seen = []
+
+    class Recorder:
+        def on_checkpoint(self, k, bpb, step, progress):
+            seen.append((k, step, round(progress, 3)))
+
+    monkeypatch.setattr(observers, "for_run", lambda run: [Recorder()])
+    raw = compose_config([*FAST, "budget.max_steps=8", "eval.every_fraction=0.25"])
+    train(raw, tmp_path, RunDisplay(enabled=False))
+    assert seen == [(1, 2, 0.25), (2, 4, 0.5), (3, 6, 0.75)]
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path):
+    result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["steps"] == 3
+    assert (tmp_path / "final.pt").is_file() and (tmp_path / ".hydra" / "config.yaml").is_file()
