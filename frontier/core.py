@@ -400,6 +400,13 @@ class CoreResult:
             text += f" (missing: {', '.join(self.missing)})"
         return text
 
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics for summaries and MLflow: `core`, `core_tasks`, and `core/<task>` (centered)."""
+        flat = {"core": self.core, "core_tasks": self.n_tasks, "core_tasks_total": self.n_total,
+                "core_items_per_second": self.items_per_second}
+        flat.update({f"core/{label}": value for label, value in self.centered.items()})
+        return flat
+
 
 def evaluate_core(model: torch.nn.Module, tokenizer, bundle_dir: str | Path, *, max_per_task: int | None = None,
                   device: str | torch.device = "cpu", max_seq_len: int, batch_size: int = 16,

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from frontier import observers
 from frontier.budget import BudgetClock
 from frontier.checkpoint import save_final
+from frontier.core import CoreBundleError
 from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
 from frontier.device import Device, measure_matmul_flops, resolve_device
@@ -62,6 +63,9 @@ class Run:
 def setup(raw: DictConfig, run_dir: Path) -> Run:
     config = to_config(raw)  # every range check, before any data is touched
     device = resolve_device(config.device, config.precision)
+    if config.eval.core and not (Path(config.eval.core_bundle) / "core.yaml").is_file():
+        raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
+                          "eval bundle (the offline copy is ../shared/data/core)")
     torch.manual_seed(config.seed)
 
     train_split, val_split = resolve_splits(config.data)
@@ -190,6 +194,9 @@ def finish(run: Run, status: str) -> float:
                                   cfg.eval.batch_rows)
         save_final(run.run_dir / "final.pt", run.model, OmegaConf.to_container(run.raw, resolve=True),
                    run.tokenizer)
+        if cfg.eval.core:
+            summary.update(core_metrics(run.model, run.tokenizer, cfg.eval, run.device, cfg.model.seq_len,
+                                        log=None))
     tokens_per_second = summary.get("tokens_seen", 0) / clock.charged if clock.charged > 0 else 0.0
     summary.update({
         "status": status,
@@ -204,6 +211,18 @@ def finish(run: Run, status: str) -> float:
     })
     write_summary(run.run_dir, summary)
     return bpb
+
+
+def core_metrics(model: torch.nn.Module, tokenizer, eval_cfg, device: Device, seq_len: int, log=print) -> dict:
+    """CORE of a trained model (never charged to the budget), as flat metrics."""
+    from frontier.core import evaluate_core
+
+    with device.autocast():
+        result = evaluate_core(model, tokenizer, eval_cfg.core_bundle, max_per_task=eval_cfg.core_max_per_task,
+                               device=device.torch_device, max_seq_len=seq_len, batch_size=eval_cfg.batch_rows * 2,
+                               log=log)
+    print(f"{result.describe()} ({result.items_per_second:,.1f} items/s)", file=sys.stderr)
+    return result.metrics()
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
@@ -249,7 +268,7 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (preemption, time limits) ends the run like Ctrl-C
 
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, CoreBundleError, FileNotFoundError)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -1,0 +1,101 @@
+"""`python -m frontier.eval checkpoint=PATH | run_id=ID [key=value ...]`: CORE (and optionally
+val_bpb) of a finished run, logged to its MLflow run as `core`, `core_tasks` and `core/<task>`."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig
+
+
+@dataclass
+class EvalCommand:
+    checkpoint: Optional[str] = None  # a final.pt
+    run_id: Optional[str] = None  # an MLflow run whose checkpoint to evaluate and log to
+    device: str = "auto"
+    precision: str = "bf16"
+    core: bool = True
+    val_bpb: bool = False
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def parse(argv: list[str]) -> EvalCommand:
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(EvalCommand), OmegaConf.from_dotlist(argv))
+        command: EvalCommand = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    if (command.checkpoint is None) == (command.run_id is None):
+        raise ConfigError("give exactly one of checkpoint=PATH or run_id=ID")
+    return command
+
+
+def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
+    """The checkpoint to evaluate and the MLflow run to log to (if any)."""
+    if command.checkpoint is not None:
+        path = Path(command.checkpoint)
+        summary = path.parent / "summary.json"
+        run_id = json.loads(summary.read_text()).get("mlflow_run_id") if summary.is_file() else None
+        return path, run_id
+    from frontier.tracking import checkpoint_of_run
+
+    return checkpoint_of_run(command.tracking, command.run_id), command.run_id
+
+
+def main(argv: list[str]) -> dict:
+    from frontier.checkpoint import load_for_eval, load_tokenizer
+    from frontier.device import resolve_device
+    from frontier.train import core_metrics
+
+    command = parse(argv)
+    device = resolve_device(command.device, command.precision)
+    path, run_id = find_checkpoint(command)
+    model = load_for_eval(path, device.torch_device)
+    tokenizer = load_tokenizer(path)
+    metrics: dict = {}
+    if command.core:
+        metrics.update(core_metrics(model, tokenizer, command.eval, device, model.config.seq_len))
+    if command.val_bpb:
+        metrics.update(validation_bpb(path, model, tokenizer, command, device))
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    if run_id is not None and command.tracking.enabled:
+        from frontier.tracking import log_metrics_to_run
+
+        log_metrics_to_run(command.tracking, run_id, metrics)
+        print(f"logged to MLflow run {run_id}")
+    return metrics
+
+
+def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -> dict:
+    """val_bpb on the validation split the checkpoint's run trained against."""
+    import torch
+
+    from frontier.data import load_corpus, resolve_splits, validation_rows
+    from frontier.evaluate import val_bpb
+
+    saved = torch.load(path, map_location="cpu", weights_only=False)["config"]["data"]
+    data_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved))
+    _, val_split = resolve_splits(data_cfg)
+    rows = validation_rows(load_corpus(val_split, tokenizer, data_cfg, "val"), model.config.seq_len,
+                           command.eval.final_tokens)
+    bpb, tokens = val_bpb(model, rows, tokenizer.token_bytes, device, command.eval.batch_rows)
+    return {"val_bpb": bpb, "val_tokens": tokens}
+
+
+if __name__ == "__main__":
+    from frontier.core import CoreBundleError
+    from frontier.data import DataError
+
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, CoreBundleError, DataError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,76 @@
+"""CORE for a finished run: after training (`eval.core=true`) and from the command line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from frontier.progress import RunDisplay
+from frontier.train import train
+from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli
+
+BUNDLE = SHARED / "data" / "core"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, wiki):
+    if not (BUNDLE / "core.yaml").is_file():
+        pytest.skip(f"CORE bundle not found at {BUNDLE}")
+    run_dir = tmp_path_factory.mktemp("run")
+    raw = compose_config([*FAST, "budget.max_steps=3", "eval.core=true", f"eval.core_bundle={BUNDLE}",
+                          "eval.core_max_per_task=2"])
+    train(raw, run_dir, RunDisplay(enabled=False))
+    return run_dir
+
+
+@pytest.mark.slow
+def test_training_with_core_records_it_over_the_tasks_present(trained):
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["core_tasks"] == 18 and summary["core_tasks_total"] == 22
+    assert -1.0 <= summary["core"] <= 1.0
+    assert "core/arc_easy" in summary and "core/hellaswag" not in summary
+
+
+@pytest.mark.slow
+def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
+    result = subprocess.run(
+        [sys.executable, "-m", "frontier.eval", f"checkpoint={trained / 'final.pt'}", "device=cpu",
+         f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=2", "val_bpb=true", "eval.final_tokens=16384",
+         "tracking.enabled=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "over 18 of 22 tasks (missing: hellaswag_zeroshot, hellaswag, squad, coqa)" in result.stderr
+    assert "items/s" in result.stderr
+    summary = json.loads((trained / "summary.json").read_text())
+    printed = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert printed["core_tasks"] == "18"
+    assert abs(float(printed["val_bpb"]) - summary["val_bpb"]) < 1e-3
+    assert abs(float(printed["core"]) - summary["core"]) < 1e-3  # same items, same model
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give exactly one of checkpoint=PATH or run_id=ID"),
+    (["checkpoint=/no/such/final.pt"], "checkpoint /no/such/final.pt does not exist"),
+    (["checkpoint=x.pt", "colour=red"], "Key 'colour' not in 'EvalCommand'"),
+])
+def test_eval_command_bad_input(args, message):
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bundle_without_core_yaml_fails_before_training(tmp_path):
+    result = run_cli([*FAST, "eval.core=true", f"eval.core_bundle={tmp_path}"])
+    assert result.returncode == 2
+    assert f"eval.core_bundle='{tmp_path}' has no core.yaml" in result.stderr
+
+
+def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(trained, tmp_path):
+    import shutil
+
+    shutil.copy(trained / "final.pt", tmp_path / "final.pt")
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'final.pt'}",
+                             "device=cpu", "tracking.enabled=false"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert f"the tokenizer of checkpoint {tmp_path / 'final.pt'} is missing" in result.stderr
