@@ -8,6 +8,9 @@ An observer may implement any of:
 """
 from __future__ import annotations
 
+import json
+import time
+
 
 class StopRun(Exception):
     """Raised by an observer to end the run early with a status (for example PRUNED)."""
@@ -25,9 +28,26 @@ def notify(observers: list, event: str, *args) -> None:
             handler(*args)
 
 
+class MetricsFile:
+    """metrics.jsonl in the run directory: every logged point, whatever happens to the tracker."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def _write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_log(self, metrics: dict, step: int) -> None:
+        self._write({"step": step, "time": time.time(), **metrics})
+
+    def on_checkpoint(self, k: int, val_bpb: float, step: int, progress: float) -> None:
+        self._write({"step": step, "time": time.time(), "checkpoint": k, "val_bpb": val_bpb, "progress": progress})
+
+
 def for_run(run) -> list:
-    """The observers a run's config asks for: MLflow tracking, and the sweeper's trial."""
-    found = []
+    """The observers a run's config asks for: the metrics file, MLflow tracking, the sweeper's trial."""
+    found = [MetricsFile(run.run_dir / "metrics.jsonl")]
     if run.config.tracking.enabled:
         from frontier.tracking import MlflowObserver
 

@@ -1,0 +1,156 @@
+"""`python -m frontier.leaderboard [experiment=frontier] [top=20] [phase=1|2] [budget=NAME] [tracking.uri=URI]`
+
+The finished runs of an experiment, best first, with tokens/s, budget and the config keys in which
+each run differs from the best one: the quick terminal view next to the MLflow UI.
+
+phase=1 ranks by val_bpb (lower is better). phase=2 ranks by 0.5*norm(val_bpb) + 0.5*norm(core),
+each min-max normalised over all ranked runs so that 1 is the best value among them (the lowest
+val_bpb, the highest CORE); runs without a `core` metric are left out, with a note. `top` only
+shortens the printout, it does not change the normalisation.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from types import SimpleNamespace
+
+from mlflow import MlflowClient
+
+from frontier.config import TrackingConfig
+from frontier.tracking import RUN_KIND_TAG, sqlite_path, tracking_uri
+
+# Bookkeeping, not knobs: always differs between runs and says nothing about the result.
+IGNORED_PREFIXES = ("tracking.", "trial.")
+USAGE = __doc__.splitlines()[0]
+
+
+def phase2_scores(rows: list[dict]) -> list[float]:
+    """0.5*norm(val_bpb) + 0.5*norm(core) per row, min-max over the rows, 1 = best of them."""
+    bpb = _normalise([row["val_bpb"] for row in rows], higher_is_better=False)
+    core = _normalise([row["core"] for row in rows], higher_is_better=True)
+    return [0.5 * b + 0.5 * c for b, c in zip(bpb, core)]
+
+
+def _normalise(values: list[float], higher_is_better: bool) -> list[float]:
+    lo, hi = min(values), max(values)
+    if hi == lo:  # all equal: all share the best value
+        return [1.0] * len(values)
+    return [(v - lo) / (hi - lo) if higher_is_better else (hi - v) / (hi - lo) for v in values]
+
+
+def load_rows(client: MlflowClient, experiment_id: str, budget: str | None = None) -> list[dict]:
+    """One row per finished training run with a finite val_bpb (sweep parents left out)."""
+    rows, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string="attributes.status = 'FINISHED'",
+                                  max_results=1000, page_token=token)
+        for run in page:
+            metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
+            bpb = metrics.get("val_bpb")
+            if tags.get(RUN_KIND_TAG) == "sweep" or bpb is None or not math.isfinite(bpb):
+                continue
+            run_budget = params.get("budget.name", tags.get("budget", "?"))
+            if budget is not None and run_budget != budget:
+                continue
+            rows.append({
+                "run_id": run.info.run_id,
+                "name": run.info.run_name or run.info.run_id[:8],
+                "val_bpb": bpb,
+                "core": metrics.get("core"),
+                "tokens_per_second": metrics.get("tokens_per_second"),
+                "budget": run_budget,
+                "params": params,
+            })
+        token = page.token
+        if not token:
+            return rows
+
+
+def rank(rows: list[dict], phase: int) -> tuple[list[dict], str | None]:
+    """Rows best first, and a note about rows left out (phase 2 needs CORE)."""
+    if phase == 1:
+        return sorted(rows, key=lambda row: row["val_bpb"]), None
+    scored = [row for row in rows if row["core"] is not None and math.isfinite(row["core"])]
+    left_out = len(rows) - len(scored)
+    note = f"note: {left_out} run(s) without a core metric left out of the phase-2 ranking" if left_out else None
+    if not scored:
+        return [], note
+    for row, score in zip(scored, phase2_scores(scored)):
+        row["score"] = score
+    return sorted(scored, key=lambda row: (-row["score"], row["val_bpb"])), note
+
+
+def differences(params: dict, best: dict) -> list[str]:
+    keys = sorted(set(params) | set(best))
+    return [f"{k}={params.get(k, '-')}" for k in keys
+            if not k.startswith(IGNORED_PREFIXES) and params.get(k) != best.get(k)]
+
+
+def table(rows: list[dict], phase: int) -> str:
+    header = ["#", "run"] + (["score", "core"] if phase == 2 else []) + ["val_bpb", "tokens/s", "budget",
+                                                                      "differs from the best"]
+    lines = [header]
+    best = rows[0]["params"]
+    for i, row in enumerate(rows, 1):
+        tps = row["tokens_per_second"]
+        cells = [str(i), row["name"]]
+        if phase == 2:
+            cells += [f"{row['score']:.3f}", f"{row['core']:.4f}"]
+        cells += [f"{row['val_bpb']:.4f}", f"{tps:,.0f}" if tps is not None else "-", row["budget"],
+                  " ".join(differences(row["params"], best)) or ("(best)" if i == 1 else "(same config)")]
+        lines.append(cells)
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1]
+                     for line in lines)
+
+
+def parse_args(argv: list[str]) -> SimpleNamespace:
+    args = SimpleNamespace(experiment=TrackingConfig.experiment, top=20, phase=1, budget=None, uri=None)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ValueError(f"{arg!r}: arguments are key=value")
+        if key in ("experiment", "tracking.experiment"):
+            args.experiment = value
+        elif key == "tracking.uri":
+            args.uri = value or None
+        elif key == "budget":
+            args.budget = value or None
+        elif key in ("top", "phase"):
+            if not value.isdigit() or (key == "phase" and value not in ("1", "2")) or int(value) < 1:
+                raise ValueError(f"{arg}: {key} must be {'1 or 2' if key == 'phase' else 'a positive integer'}")
+            setattr(args, key, int(value))
+        else:
+            raise ValueError(f"unknown key {key!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        print(f"error: {err}\nusage: {USAGE}", file=sys.stderr)
+        return 2
+    uri = tracking_uri(SimpleNamespace(uri=args.uri))
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():  # do not create an empty store just to read it
+        print(f"no MLflow store at {uri} yet: train a run first", file=sys.stderr)
+        return 1
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        print(f"no experiment named {args.experiment!r} in {uri}", file=sys.stderr)
+        return 1
+    rows, note = rank(load_rows(client, experiment.experiment_id, args.budget), args.phase)
+    what = "val_bpb" if args.phase == 1 else "the phase-2 score (0.5 norm val_bpb + 0.5 norm core)"
+    print(f"{args.experiment}: {len(rows)} finished run(s) ranked by {what}"
+          + (f", budget {args.budget}" if args.budget else "") + f" ({uri})")
+    if note:
+        print(note)
+    if rows:
+        print(table(rows[:args.top], args.phase))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""MLflow tracking: what a run records, over SQLite and HTTP, in parallel, and when things go wrong."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from omegaconf import OmegaConf
+from sqlalchemy.exc import SADeprecationWarning
+
+from frontier import leaderboard, tracking
+from frontier.config import PROJECT_ROOT, TrackingConfig
+from frontier.train import train
+
+pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
+
+WIKI = PROJECT_ROOT.parent / "shared" / "data" / "text" / "wiki_en"
+
+# A few steps of the tiny model: every hook fires (logs, one checkpoint, final eval) in seconds.
+FAST = [
+    "model=tiny",
+    f"data.path={WIKI}",
+    "data.vocab_size=1024",
+    "data.tokenizer_train_chars=2000000",
+    "device=cpu",
+    "budget.seconds=60",
+    "budget.max_steps=2",
+    "budget.excluded_steps=0",
+    "model.seq_len=128",
+    "train.batch_tokens=1024",
+    "train.device_batch_rows=8",
+    "train.log_every_fraction=0.5",
+    "eval.checkpoint_tokens=512",
+    "eval.final_tokens=2048",
+    "eval.every_fraction=0.5",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # tests name their own stores
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _wiki():
+    if not WIKI.is_dir():
+        pytest.skip(f"shared data not found at {WIKI}")
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[*FAST, *overrides])
+
+
+def sqlite_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory) -> Path:
+    """An empty store with its schema: creating one takes seconds, copying it does not."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    tracking.ensure_store(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def store(tmp_path, template_db) -> str:
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    return sqlite_uri(tmp_path)
+
+
+def only_run(client: MlflowClient, experiment: str = "frontier"):
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+def artifact_paths(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    found = set()
+    for info in client.list_artifacts(run_id, path):
+        found |= artifact_paths(client, run_id, info.path) if info.is_dir else {info.path}
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fake_run(tmp_path: Path, name: str, **tracking_fields):
+    """What MlflowObserver.for_run reads from a trainer Run, without training anything."""
+    return SimpleNamespace(config=SimpleNamespace(tracking=TrackingConfig(**tracking_fields)),
+                           raw=OmegaConf.create({"model": {"depth": 4}, "run": name}),
+                           run_dir=tmp_path / name, summary={})
+
+
+def assert_recorded(client: MlflowClient, run, raw) -> None:
+    """Params, curves with timestamps, final metrics and artifacts of one finished tiny run."""
+    assert run.info.status == "FINISHED"
+    expected = tracking.flatten(OmegaConf.to_container(raw, resolve=True))
+    assert run.data.params == expected  # every key of the resolved config
+    assert run.data.params["model.depth"] == "4"
+    tags = run.data.tags
+    assert tags["status"] == "FINISHED" and tags["device"] == "cpu" and tags["budget"] == "phase1"
+    assert tags["torch"] and tags["host"] and tags["device_count"] == "1"
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert len(losses) == 2 and all(m.timestamp > 1e12 and m.step >= 1 for m in losses)
+    val = client.get_metric_history(run.info.run_id, "val_bpb")
+    assert [m.step for m in val] == [1, 2]  # the checkpoint at half the budget, then the final eval
+    for key in ("val_bpb", "tokens_per_second", "mfu", "budget_utilization", "params", "flops_per_token"):
+        assert math.isfinite(run.data.metrics[key])
+    assert {"config.yaml", "summary.json", "curves.png"} <= artifact_paths(client, run.info.run_id)
+
+
+# -----------------------------------------------------------------------------
+# What a run records
+
+
+def test_tiny_run_is_recorded(tmp_path, store):
+    uri = store
+    raw = compose_cfg(f"tracking.uri={uri}", "tracking.log_checkpoint=true", "tracking.run_name=tiny")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bpb = train(raw, tmp_path / "run")
+    client = MlflowClient(uri)
+    run = only_run(client)
+    assert run.info.run_name == "tiny"
+    assert_recorded(client, run, raw)
+    assert run.data.metrics["val_bpb"] == pytest.approx(bpb)
+    assert "checkpoint/final.pt" in artifact_paths(client, run.info.run_id)
+    summary = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="summary.json",
+                                                 dst_path=str(tmp_path), tracking_uri=uri)).read_text())
+    assert summary["status"] == "FINISHED"
+    # Artifacts live next to the database, not in ./mlartifacts of the working directory.
+    assert run.info.artifact_uri.startswith((tmp_path / "artifacts").as_uri())
+    # SADeprecationWarning: SQLAlchemy about MLflow's own internals, nothing this project calls.
+    mlflow_deprecations = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+                           and not issubclass(w.category, SADeprecationWarning)
+                           and ("mlflow" in w.filename or "tracking" in w.filename
+                                or "mlflow" in str(w.message).lower())]
+    assert not mlflow_deprecations, [str(w.message) for w in mlflow_deprecations]
+
+
+def test_tracking_uri_default_env_and_relative(monkeypatch):
+    root_db = PROJECT_ROOT / "mlruns" / "mlflow.db"
+    assert tracking.tracking_uri(TrackingConfig()) == f"sqlite:///{root_db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert tracking.tracking_uri(TrackingConfig()) == "http://tracking.example:5000"
+    assert tracking.tracking_uri(TrackingConfig(uri="sqlite:////abs/x.db")) == "sqlite:////abs/x.db"
+    # Relative to the project root, whatever the working directory.
+    assert tracking.tracking_uri(TrackingConfig(uri="sqlite:///mlruns/mlflow.db")) == f"sqlite:///{root_db}"
+
+
+# -----------------------------------------------------------------------------
+# A real tracking server
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, template_db):
+    shutil.copy(template_db, tmp_path / "server.db")
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: its workers go too
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "mlflow server did not answer /health"
+            try:
+                if requests.get(f"{url}/health", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def test_run_over_http_server(tmp_path, mlflow_server):
+    raw = compose_cfg(f"tracking.uri={mlflow_server}")
+    train(raw, tmp_path / "run")
+    client = MlflowClient(mlflow_server)
+    assert_recorded(client, only_run(client), raw)
+    assert list((tmp_path / "server-artifacts").rglob("curves.png"))  # uploaded through the server
+
+
+# -----------------------------------------------------------------------------
+# Parallel trials, sweeps
+
+
+WORKER = """
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from omegaconf import OmegaConf
+from frontier.config import TrackingConfig
+from frontier.tracking import MlflowObserver
+
+uri, folder, index = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+(folder / f"ready{index}").touch()
+while not (folder / "go").exists():  # all four hit the fresh store at the same moment
+    time.sleep(0.01)
+tracking = TrackingConfig(uri=uri, experiment="race", run_name=f"worker{index}")
+run = SimpleNamespace(config=SimpleNamespace(tracking=tracking), raw=OmegaConf.create({"seed": index}),
+                      run_dir=folder / f"run{index}", summary={})
+observer = MlflowObserver.for_run(run)
+observer.on_start({"device": "cpu", "budget": "race"})
+for step in range(1, 11):
+    observer.on_log({"train/loss": 5.0 / step, "charged_seconds": 0.1 * step}, step)
+observer.on_checkpoint(1, 2.0, 10, 1.0)
+observer.on_end({"val_bpb": 1.5 + index, "steps": 10}, "FINISHED", None)
+sys.exit(1 if observer.failed else 0)
+"""
+
+
+def test_four_processes_share_a_fresh_sqlite_store(tmp_path):
+    uri = sqlite_uri(tmp_path)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    workers = [subprocess.Popen([sys.executable, str(script), uri, str(tmp_path), str(i)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(4)]
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("ready*"))) < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outputs = [w.communicate(timeout=180)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0, 0, 0], "\n".join(outputs)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("race").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"worker{i}" for i in range(4)]
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 10
+
+
+def test_sweep_parent_with_nested_trials(tmp_path, store):
+    sweep_cfg = TrackingConfig(uri=store, experiment="sweeps")
+    parent = tracking.start_parent_run(sweep_cfg, "sweep-1", {"space": {"optim.matrix_lr": "log(0.01, 0.1)"},
+                                                              "n_trials": 2}, {"sampler": "tpe"})
+    statuses = {}
+    for number, status in ((0, "FINISHED"), (1, "PRUNED")):
+        # A trial names another experiment by mistake: it still lands next to its parent.
+        run = fake_run(tmp_path, f"trial{number}", uri=sweep_cfg.uri, experiment="elsewhere",
+                       parent_run_id=parent, run_name=f"trial-{number}")
+        observer = tracking.MlflowObserver.for_run(run)
+        observer.on_checkpoint(1, 2.0, 10, 0.1)
+        observer.on_end({"val_bpb": math.nan, "stopped_value": 2.0, "steps": 10}, status, None)
+        statuses[observer.run_id] = status
+    best = tmp_path / "best.json"
+    best.write_text("{}")
+    tracking.end_parent_run(sweep_cfg, parent, "FINISHED", {"best_val_bpb": 1.25}, [best])
+
+    client = MlflowClient(sweep_cfg.uri)
+    parent_run = client.get_run(parent)
+    assert parent_run.info.status == "FINISHED"
+    assert parent_run.data.metrics["best_val_bpb"] == 1.25
+    assert parent_run.data.params["space.optim.matrix_lr"] == "log(0.01, 0.1)"
+    assert parent_run.data.tags["sampler"] == "tpe"
+    assert "best.json" in artifact_paths(client, parent)
+    for run_id, status in statuses.items():
+        child = client.get_run(run_id)
+        assert child.data.tags["mlflow.parentRunId"] == parent
+        assert child.info.experiment_id == parent_run.info.experiment_id
+        assert child.data.tags["status"] == status
+        assert child.info.status == {"FINISHED": "FINISHED", "PRUNED": "KILLED"}[status]
+        assert "val_bpb" in child.data.metrics  # the checkpoint; the NaN final value is not logged
+    assert client.get_experiment_by_name("elsewhere") is None
+
+
+# -----------------------------------------------------------------------------
+# Failures
+
+
+def test_run_that_raises_ends_failed(tmp_path, store, monkeypatch):
+    def boom(run, tokens):
+        raise RuntimeError("boom at the checkpoint")
+
+    monkeypatch.setattr("frontier.train.evaluate_checkpoint", boom)
+    uri = store
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")
+    client = MlflowClient(uri)
+    run = only_run(client)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == "RuntimeError: boom at the checkpoint"
+    assert client.get_metric_history(run.info.run_id, "train/loss")  # the curve up to the failure
+    assert {"config.yaml", "summary.json"} <= artifact_paths(client, run.info.run_id)
+
+
+def test_sigterm_ends_killed(tmp_path, store):
+    uri = store
+    args = [*FAST, "budget.seconds=600", "budget.max_steps=null", "train.log_every_fraction=0.001",
+            "eval.every_fraction=0", f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen([sys.executable, "-m", "frontier.train", *args], cwd=PROJECT_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = MlflowClient(uri)
+    try:
+        deadline = time.time() + 180
+        while True:  # until the loop has logged: the run is RUNNING and training
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the run never logged a training loss"
+            experiment = client.get_experiment_by_name("frontier")
+            runs = client.search_runs([experiment.experiment_id]) if experiment else []
+            if runs and "train/loss" in runs[0].data.metrics:
+                assert runs[0].info.status == "RUNNING"
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, out
+    run = client.get_run(runs[0].info.run_id)
+    assert run.info.status == "KILLED", out
+    assert run.data.tags["status"] == "KILLED"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "KILLED"
+
+
+def test_unreachable_server_stops_before_training(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, f"tracking.uri={url}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"tracking.uri={url} is unreachable" in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
+    url = f"http://127.0.0.1:{free_port()}"
+    bpb = train(compose_cfg(f"tracking.uri={url}", "tracking.required=false"), tmp_path / "run")
+    assert math.isfinite(bpb)
+    err = capfd.readouterr().err
+    assert f"warning: tracking: tracking.uri={url} is unreachable" in err and "training without tracking" in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "FINISHED"
+
+
+def test_store_failing_mid_run_does_not_stop_training(tmp_path, store, monkeypatch, capfd):
+    original = MlflowClient.log_batch
+
+    def outage(self, run_id, metrics=(), **entities):  # the store goes away once training logs
+        if any(m.key == "train/loss" for m in metrics):
+            raise MlflowException("simulated outage")
+        return original(self, run_id, metrics=metrics, **entities)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", outage)
+    uri = store
+    bpb = train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")
+    assert math.isfinite(bpb)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["val_bpb"] == pytest.approx(bpb)
+    err = capfd.readouterr().err
+    assert err.count("logging to the tracking store failed") == 1 and "simulated outage" in err
+    assert "summary.json" in err
+
+
+# -----------------------------------------------------------------------------
+# Leaderboard
+
+
+def add_run(client, experiment_id, name, params, metrics, status="FINISHED", tags=None):
+    run = client.create_run(experiment_id, run_name=name, tags=tags or {})
+    now = int(time.time() * 1000)
+    client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                     params=[Param(k, str(v)) for k, v in params.items()])
+    client.set_terminated(run.info.run_id, status)
+
+
+def test_leaderboard_orders_runs_and_shows_differences(tmp_path, store, capsys):
+    uri = store
+    client = MlflowClient(uri)
+    exp = client.create_experiment("lb", artifact_location=(tmp_path / "artifacts").as_uri())
+    base = {"model.depth": 10, "optim.matrix_lr": 0.04, "budget.name": "phase1"}
+    add_run(client, exp, "deeper", {**base, "model.depth": 12, "tracking.run_name": "deeper"},
+            {"val_bpb": 1.05, "tokens_per_second": 900.0, "core": 0.15})
+    add_run(client, exp, "baseline", {**base, "tracking.run_name": "baseline"},
+            {"val_bpb": 1.10, "tokens_per_second": 1000.0, "core": 0.20})
+    add_run(client, exp, "slow-lr", {**base, "optim.matrix_lr": 0.02},
+            {"val_bpb": 1.20, "tokens_per_second": 1100.0})
+    add_run(client, exp, "shallow", {**base, "model.depth": 6}, {"val_bpb": 1.30, "core": 0.30})
+    add_run(client, exp, "crashed", base, {"val_bpb": 0.50}, status="FAILED")
+    add_run(client, exp, "sweep", base, {"val_bpb": 0.40}, tags={tracking.RUN_KIND_TAG: "sweep"})
+    add_run(client, exp, "other-budget", {**base, "budget.name": "phase2"}, {"val_bpb": 0.90})
+
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=lb", "budget=phase1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = lines[2:]  # title, header
+    assert [line.split()[1] for line in body] == ["deeper", "baseline", "slow-lr", "shallow"]
+    assert body[0].endswith("(best)")
+    assert body[1].endswith("model.depth=10")  # tracking.run_name differs too, but is bookkeeping
+    assert body[2].endswith("model.depth=10 optim.matrix_lr=0.02")
+    assert "1,100" in body[2] and "phase1" in body[2]
+
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=lb", "budget=phase1", "phase=2", "top=2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 run(s) without a core metric left out" in out
+    # bpb 1.05/1.10/1.30 -> 1, 0.8, 0; core 0.15/0.20/0.30 -> 0, 1/3, 1: baseline .567, deeper .5, shallow .5
+    body = out.splitlines()[3:]
+    assert [line.split()[1] for line in body] == ["baseline", "deeper"]
+    assert body[0].split()[2] == "0.567"
+
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=missing"]) == 1
+    assert leaderboard.main(["depth"]) == 2
+
+
+def test_phase2_scores_hand_computed():
+    rows = [{"val_bpb": 1.0, "core": 0.10}, {"val_bpb": 1.2, "core": 0.30}, {"val_bpb": 1.1, "core": 0.25}]
+    # val_bpb (lower better) -> 1, 0, 0.5; core (higher better) -> 0, 1, 0.75
+    assert leaderboard.phase2_scores(rows) == pytest.approx([0.5, 0.5, 0.625])
+    assert leaderboard.phase2_scores([{"val_bpb": 1.0, "core": 0.2}]) == [1.0]
