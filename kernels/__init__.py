@@ -2,6 +2,8 @@
 
 Every op has a PyTorch `reference`; other backends register faster versions of the same
 signature and are tested against it. The model asks `get(op, backend)` for each op.
+`attention(q, k, v, window=None)` takes grouped key/value heads and an optional sliding window
+in tokens (see reference.causal_attention).
 """
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ from typing import Callable
 
 from kernels import reference
 
-OPS = ("rmsnorm", "relu2", "rotary", "attention")
+OPS = ("rmsnorm", "relu2", "leaky_relu2", "gelu", "swiglu", "rotary", "attention")
 
 _REGISTRY: dict[str, dict[str, Callable]] = {
     "rmsnorm": {"reference": reference.rms_norm},
     "relu2": {"reference": reference.relu2},
+    "leaky_relu2": {"reference": reference.leaky_relu2},
+    "gelu": {"reference": reference.gelu},
+    "swiglu": {"reference": reference.swiglu},
     "rotary": {"reference": reference.apply_rotary},
     "attention": {"reference": reference.causal_attention},
 }

@@ -14,6 +14,20 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def leaky_relu2(x: torch.Tensor, slope: float = 0.5) -> torch.Tensor:
+    """Squared leaky ReLU: negative inputs keep a (squared) signal instead of a dead zero."""
+    return F.leaky_relu(x, slope).square()
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, from two separate projections of the same input."""
+    return F.silu(gate) * up
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding; x is (B, H, T, D), cos/sin are (T, D/2)."""
     half = x.size(-1) // 2
@@ -22,6 +36,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention over (B, H, T, D) tensors."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def sliding_window_mask(T: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T) boolean mask, True = attend: query t sees keys s with t - window < s <= t."""
+    pos = torch.arange(T, device=device)
+    offset = pos[:, None] - pos[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal softmax attention. q is (B, H, T, D); k and v are (B, H_kv, T, D) with H_kv dividing H
+    (grouped-query attention: query head h reads key/value head h // (H / H_kv)).
+
+    window=None attends to every earlier token; window=W to the last W tokens, the query's own
+    included. A window of at least T is full causal attention and takes the `is_causal` path.
+    """
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    T = q.size(2)
+    if window is None or window >= T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_window_mask(T, window, q.device))
