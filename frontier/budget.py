@@ -17,9 +17,11 @@ class BudgetClock:
     before each clock read so queued work is counted in the step that queued it.
     """
 
-    def __init__(self, cfg: BudgetConfig, synchronize: Callable[[], None] = lambda: None):
+    def __init__(self, cfg: BudgetConfig, synchronize: Callable[[], None] = lambda: None,
+                 slowest: Callable[[float], float] = lambda seconds: seconds):
         self.cfg = cfg
         self.synchronize = synchronize
+        self.slowest = slowest  # across data-parallel ranks: all charge the slowest rank's time
         self.steps = 0
         self.charged = 0.0
         self.excluded = 0.0
@@ -30,7 +32,7 @@ class BudgetClock:
         start = time.perf_counter()
         yield
         self.synchronize()
-        self.add_step(time.perf_counter() - start)
+        self.add_step(self.slowest(time.perf_counter() - start))
 
     def add_step(self, seconds: float) -> None:
         self.steps += 1

@@ -47,9 +47,26 @@ class ModelConfig:
     d_model: int = 640
     n_head: int = 5
     seq_len: int = 1024
-    mlp_ratio: float = 4.0
+    # attention
+    n_kv_head: Optional[int] = None  # key/value heads shared by groups of query heads (GQA); null = n_head
+    head_dim: Optional[int] = None  # null = d_model / n_head
     rope_base: float = 10000.0
+    qk_norm: bool = True  # RMSNorm on q and k after rotary
+    window_pattern: str = "L"  # per layer, tiled over depth: S = sliding window, L = full; the last layer is L
+    short_window: float = 0.5  # an S layer attends to the last short_window * seq_len tokens
+    # MLP
+    mlp_ratio: float = 4.0  # hidden = mlp_ratio * d_model (swiglu has three matrices of that size)
+    activation: str = "relu2"  # relu2 | leaky_relu2 | swiglu | gelu
+    activation_slope: float = 0.5  # leaky_relu2's negative slope
+    # residual stream
+    value_embed_layers: list[int] = field(default_factory=list)  # layers that mix a value embedding into v
+    layer_scalars: bool = False  # learned per-layer residual and x0 (embedding skip) scalars
+    # head
     softcap: Optional[float] = 15.0  # logits -> softcap * tanh(logits / softcap); null = none
+    tie_embeddings: bool = False  # the head reuses the token embedding matrix
+    mtp_heads: int = 0  # extra training-only heads predicting tokens t+2 ... t+1+mtp_heads
+    mtp_weights: list[float] = field(default_factory=list)  # loss weight of each extra head
+    # initialisation
     embed_std: float = 1.0
     head_std: float = 0.001
     zero_init_proj: bool = True
@@ -58,14 +75,41 @@ class ModelConfig:
         for key in ("depth", "d_model", "n_head", "seq_len"):
             value = getattr(self, key)
             _require(value >= 1, f"model.{key}", value, "must be a positive integer")
-        _require(self.d_model % self.n_head == 0, "model.d_model", self.d_model,
-                 f"must be divisible by model.n_head={self.n_head}")
-        _require((self.d_model // self.n_head) % 2 == 0, "model.n_head", self.n_head,
-                 f"head size d_model/n_head={self.d_model / self.n_head:g} must be even for rotary")
-        _require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "must be positive")
+        if self.head_dim is None:
+            _require(self.d_model % self.n_head == 0, "model.d_model", self.d_model,
+                     f"must be divisible by model.n_head={self.n_head} (or set model.head_dim)")
+            _require((self.d_model // self.n_head) % 2 == 0, "model.n_head", self.n_head,
+                     f"head size d_model/n_head={self.d_model / self.n_head:g} must be even for rotary "
+                     "(or set model.head_dim)")
+        else:
+            _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
+                     "must be a positive even number (rotary rotates pairs), or null for d_model/n_head")
+        if self.n_kv_head is not None:
+            _require(1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
+                     "model.n_kv_head", self.n_kv_head,
+                     f"must divide model.n_head={self.n_head} (1 ... n_head), or null for n_head")
         _require(self.rope_base > 0, "model.rope_base", self.rope_base, "must be positive")
+        _require(len(self.window_pattern) > 0 and set(self.window_pattern) <= set("SL"),
+                 "model.window_pattern", self.window_pattern,
+                 "use the letters S (sliding window) and L (full causal), e.g. SSSL")
+        _require(0 < self.short_window <= 1 and int(self.short_window * self.seq_len) >= 1,
+                 "model.short_window", self.short_window,
+                 f"a fraction of model.seq_len={self.seq_len} in (0, 1]: from one token to the whole sequence")
+        _require(self.mlp_ratio > 0, "model.mlp_ratio", self.mlp_ratio, "must be positive")
+        _choice("model.activation", self.activation, ("relu2", "leaky_relu2", "swiglu", "gelu"))
+        _require(self.activation_slope >= 0, "model.activation_slope", self.activation_slope, "must be >= 0")
+        layers = [i % self.depth if -self.depth <= i < self.depth else None for i in self.value_embed_layers]
+        _require(None not in layers and len(set(layers)) == len(layers), "model.value_embed_layers",
+                 list(self.value_embed_layers),
+                 f"distinct layer indices in 0 ... {self.depth - 1} for model.depth={self.depth} "
+                 "(negative counts from the end)")
         _require(self.softcap is None or self.softcap > 0, "model.softcap", self.softcap,
                  "must be positive or null")
+        _require(0 <= self.mtp_heads < self.seq_len, "model.mtp_heads", self.mtp_heads,
+                 f"must be >= 0 and below model.seq_len={self.seq_len}")
+        _require(len(self.mtp_weights) == self.mtp_heads and all(w >= 0 for w in self.mtp_weights),
+                 "model.mtp_weights", list(self.mtp_weights),
+                 f"one weight >= 0 per extra head: model.mtp_heads={self.mtp_heads}")
         for key in ("embed_std", "head_std"):
             value = getattr(self, key)
             _require(value >= 0, f"model.{key}", value, "must be >= 0")
@@ -77,6 +121,7 @@ class OptimConfig:
     matrix_lr: float = 0.04
     embedding_lr: float = 0.6
     unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5  # per-layer scalars (model.layer_scalars), AdamW
     weight_decay: float = 0.2  # decoupled, on the block matrices only
     adam_betas: list[float] = field(default_factory=lambda: [0.8, 0.95])
     adam_eps: float = 1e-10
@@ -86,7 +131,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _choice("optim.name", self.name, ("muon", "adamw"))
         _choice("optim.ns_coefficients", self.ns_coefficients, ("classic", "polar_express"))
-        for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay"):
+        for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
             value = getattr(self, key)
             _require(value >= 0, f"optim.{key}", value, "must be >= 0")
         _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
@@ -183,13 +228,24 @@ class TrainConfig:
     batch_tokens: int = 65536  # global tokens per optimizer step
     device_batch_rows: int = 8  # rows of seq_len per forward/backward; the rest is accumulation
     log_every_fraction: float = 0.005  # metrics cadence, as a fraction of the budget
+    loss_ceiling: float = 100.0  # a mean training loss above this (or NaN/inf) stops the run as diverged
 
     def __post_init__(self) -> None:
         _require(self.batch_tokens >= 1, "train.batch_tokens", self.batch_tokens, "must be positive")
+        _require(self.loss_ceiling > 0, "train.loss_ceiling", self.loss_ceiling, "must be positive")
+
         _require(self.device_batch_rows >= 1, "train.device_batch_rows", self.device_batch_rows,
                  "must be positive")
         _require(0 < self.log_every_fraction <= 1, "train.log_every_fraction",
                  self.log_every_fraction, "must be in (0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    every_fraction: float = 0.25  # a resumable resume.pt at each such fraction of the budget; 0 = off
+
+    def __post_init__(self) -> None:
+        _fraction("checkpoint.every_fraction", self.every_fraction)
 
 
 @dataclass
@@ -219,6 +275,9 @@ class TrackingConfig:
     run_name: Optional[str] = None
     parent_run_id: Optional[str] = None  # set by the sweeper: trials are nested under the sweep's run
 
+    def __post_init__(self) -> None:
+        _require(bool(self.experiment), "tracking.experiment", self.experiment, "name an MLflow experiment")
+
 
 @dataclass
 class TrialConfig:
@@ -227,6 +286,52 @@ class TrialConfig:
     study: Optional[str] = None
     storage: Optional[str] = None
     number: Optional[int] = None
+
+
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
+PRUNERS = ("hyperband", "successive_halving", "median", "none")
+
+
+@dataclass
+class SweepConfig:
+    """A budgeted Optuna search: `--multirun sweep=NAME` (presets in sweeps/, run by
+    hydra_plugins/frontier_sweeper). Checkpoint k is the k-th `eval.every_fraction` of the budget."""
+
+    name: str = "custom"
+    # key -> Hydra sweep syntax: choice(a, b), range(lo, hi, step), interval(lo, hi),
+    # tag(log, interval(lo, hi)); a plain value is passed to every trial
+    params: dict[str, str] = field(default_factory=dict)
+    study_name: Optional[str] = None  # default: `name`; the same study name continues the study
+    storage: Optional[str] = None  # RDB URL (postgresql://...) or a journal file; default mlruns/sweeps/<study>.journal
+    n_trials: Optional[int] = 20  # trials in the study in total, across re-runs and machines (grid: null = all)
+    timeout: Optional[float] = None  # seconds after which this command starts no new trial
+    n_jobs: int = 1  # trials at once on this machine, each on its own device
+    max_failures: int = 10  # this command starts no new trial once more trials than this have failed
+    sampler: str = "tpe"  # tpe | random | grid | cmaes | gp
+    seed: Optional[int] = 0
+    n_startup_trials: int = 10  # tpe, gp, cmaes: random trials before the model guides the search
+    pruner: str = "hyperband"  # hyperband | successive_halving | median | none
+    min_resource: int = 1  # the first checkpoint at which a trial can be pruned
+    reduction_factor: int = 3  # hyperband, successive_halving: keep 1 in this many at each rung
+    heartbeat_interval: int = 30  # seconds between a running trial's heartbeats
+    grace_period: int = 120  # a RUNNING trial silent this long is marked FAIL (its process died)
+
+    def __post_init__(self) -> None:
+        _choice("sweep.sampler", self.sampler, SAMPLERS)
+        _choice("sweep.pruner", self.pruner, PRUNERS)
+        _require(self.n_trials is None or self.n_trials >= 1, "sweep.n_trials", self.n_trials,
+                 "a positive integer or null")
+        _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,
+                 "positive seconds or null")
+        _require(self.n_jobs >= 1, "sweep.n_jobs", self.n_jobs, "must be a positive integer")
+        _require(self.max_failures >= 0, "sweep.max_failures", self.max_failures, "must be >= 0")
+        _require(self.n_startup_trials >= 0, "sweep.n_startup_trials", self.n_startup_trials, "must be >= 0")
+        _require(self.min_resource >= 1, "sweep.min_resource", self.min_resource, "must be >= 1")
+        _require(self.reduction_factor >= 2, "sweep.reduction_factor", self.reduction_factor, "must be >= 2")
+        _require(self.heartbeat_interval >= 1, "sweep.heartbeat_interval", self.heartbeat_interval,
+                 "must be >= 1 second")
+        _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
+                 f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
 
 
 @dataclass
@@ -239,12 +344,15 @@ class Config:
     data: DataConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
+    sweep: Optional[SweepConfig] = None  # selected with sweep=NAME; read by the sweeper only
     device: str = "auto"  # auto | cpu | cuda | neuron (a specific index like cuda:1 also works)
     precision: str = "bf16"  # bf16: autocast where the device has it; fp32: full precision
     seed: int = 1337
     compile_only: bool = False  # build and compile the model, run the excluded steps, then exit
+    resume: Optional[str] = None  # a run directory (or MLflow run id) to continue from its resume.pt
 
     def __post_init__(self) -> None:
         _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",

@@ -111,15 +111,36 @@ def _load_file(path: Path, text_column: str):
     return ds, column
 
 
-def iter_documents(split: Split, text_column: str, chunk: int = 1024) -> Iterator[list[str]]:
-    """Chunks of non-empty documents, in file order."""
+def _is_empty_parquet(path: Path) -> bool:
+    if path.suffix != ".parquet":
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception as err:
+        raise DataError(f"cannot read {path}: {type(err).__name__}: {err}") from err
+
+
+def iter_documents(split: Split, text_column: str, chunk: int = 1024,
+                   skipped: dict | None = None) -> Iterator[list[str]]:
+    """Chunks of non-empty documents, in file order. Empty documents and files are counted in
+    `skipped` ("documents", "files"), never silently dropped."""
+    skipped = skipped if skipped is not None else {}
     lo, hi = split.doc_slice
     for path in split.files:
+        if _is_empty_parquet(path):  # `datasets` cannot open a shard without rows
+            skipped.setdefault("files", []).append(str(path))
+            continue
         ds, column = _load_file(path, text_column)
         start, stop = int(round(lo * len(ds))), int(round(hi * len(ds)))
+        if stop <= start:
+            skipped.setdefault("files", []).append(str(path))
         for begin in range(start, stop, chunk):
             texts = ds[begin:min(begin + chunk, stop)][column]
-            yield [t for t in texts if t]
+            kept = [t for t in texts if t]
+            skipped["documents"] = skipped.get("documents", 0) + len(texts) - len(kept)
+            yield kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +160,10 @@ def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if path.is_file():
-            return Tokenizer.load(path)
+            try:
+                return Tokenizer.load(path)
+            except Exception:  # unreadable (damaged by hand, or from another version): train anew
+                path.unlink()
 
         def texts() -> Iterator[str]:
             seen = 0
@@ -158,8 +182,10 @@ def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
 class TokenCorpus:
     """Documents as one uint16 token stream (each document starts with BOS) plus offsets."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, tokenizer_fingerprint: str):
         meta = json.loads((directory / "meta.json").read_text())
+        if meta.get("version") != CACHE_VERSION or meta.get("tokenizer") != tokenizer_fingerprint:
+            raise DataError(f"token cache {directory} was built by another version or tokenizer")
         self.directory = directory
         self.meta = meta
         self.tokens = np.memmap(directory / "tokens.bin", dtype=np.uint16, mode="r")
@@ -188,18 +214,22 @@ def load_corpus(split: Split, tokenizer: Tokenizer, cfg: DataConfig, name: str) 
     directory = project_path(cfg.cache_dir) / "tokens" / f"{name}-{key}"
     directory.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(directory) + ".lock"):
-        if not (directory / "meta.json").is_file():
-            _build_corpus(split, tokenizer, cfg.text_column, directory)
-        return TokenCorpus(directory)
+        if (directory / "meta.json").is_file():
+            try:
+                return TokenCorpus(directory, tokenizer.fingerprint())
+            except (DataError, ValueError, OSError):
+                pass  # incomplete or from another version: rebuilt below, never used
+        _build_corpus(split, tokenizer, cfg.text_column, directory)
+        return TokenCorpus(directory, tokenizer.fingerprint())
 
 
 def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, directory: Path) -> None:
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    offsets, total, docs = [0], 0, 0
+    offsets, total, docs, skipped = [0], 0, 0, {}
     with open(tmp / "tokens.bin", "wb") as out:
-        for texts in iter_documents(split, text_column):
+        for texts in iter_documents(split, text_column, skipped=skipped):
             for ids in tokenizer.encode_batch(texts):
                 row = np.asarray([tokenizer.bos_id, *ids], dtype=np.uint16)
                 out.write(row.tobytes())
@@ -212,7 +242,8 @@ def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, director
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"version": CACHE_VERSION, "tokens": total, "documents": docs,
             "files": [str(f) for f in split.files], "doc_slice": list(split.doc_slice),
-            "tokenizer": tokenizer.fingerprint()}
+            "tokenizer": tokenizer.fingerprint(), "skipped_empty_documents": skipped.get("documents", 0),
+            "empty_files": skipped.get("files", [])}
     # meta.json is written last: its presence marks a complete cache, and the rename is atomic.
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(directory, ignore_errors=True)

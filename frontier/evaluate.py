@@ -15,8 +15,10 @@ def val_bpb(model: torch.nn.Module, rows: torch.Tensor, token_bytes: torch.Tenso
     """Bits per byte over `rows` (N, T+1); returns (val_bpb, target tokens evaluated).
 
     Targets whose token has no bytes (BOS and other special tokens) add neither nats nor bytes.
-    Under torch.distributed each rank passes its own rows and the sums are all-reduced.
+    Under torch.distributed each rank evaluates every world_size-th row and the sums are all-reduced.
     """
+    if dist.is_available() and dist.is_initialized():
+        rows = rows[dist.get_rank()::dist.get_world_size()]
     was_training = model.training
     model.eval()
     token_bytes = token_bytes.to(device.torch_device)
@@ -30,8 +32,9 @@ def val_bpb(model: torch.nn.Module, rows: torch.Tensor, token_bytes: torch.Tenso
         counted = token_bytes[y]
         nats += (loss.double() * (counted > 0)).sum()
         nbytes += counted.sum()
-    totals = torch.stack([nats, nbytes.double()])
+    tokens = torch.tensor(rows.size(0) * (rows.size(1) - 1), dtype=torch.float64, device=nats.device)
+    totals = torch.stack([nats, nbytes.double(), tokens])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     model.train(was_training)
-    return totals[0].item() / (math.log(2) * totals[1].item()), rows.size(0) * (rows.size(1) - 1)
+    return totals[0].item() / (math.log(2) * totals[1].item()), int(totals[2].item())

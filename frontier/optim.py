@@ -42,10 +42,22 @@ class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then the orthogonalised update scaled by max(1, rows/cols)^0.5."""
 
     def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5, coefficients: str = "polar_express"):
+                 ns_steps: int = 5, coefficients: str = "polar_express", rank: int = 0, world_size: int = 1):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps,
                         coefficients=coefficients)
         super().__init__(params, defaults)
+        self.rank, self.world_size = rank, world_size
+
+    def _orthogonalize_shared(self, updates: torch.Tensor, steps: int, coefficients: str) -> torch.Tensor:
+        """Each rank orthogonalises every world_size-th matrix; a sum gathers them all."""
+        if self.world_size == 1:
+            return orthogonalize(updates, steps, coefficients)
+        out = torch.zeros_like(updates, dtype=torch.float32)
+        mine = list(range(self.rank, updates.size(0), self.world_size))
+        if mine:
+            out[mine] = orthogonalize(updates[mine], steps, coefficients).float()
+        torch.distributed.all_reduce(out)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,7 +73,7 @@ class Muon(torch.optim.Optimizer):
                     buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                     buf.lerp_(p.grad, 1 - mom)
                     updates.append(p.grad.lerp(buf, mom))  # Nesterov: look ahead along the momentum
-                ortho = orthogonalize(torch.stack(updates), group["ns_steps"], group["coefficients"])
+                ortho = self._orthogonalize_shared(torch.stack(updates), group["ns_steps"], group["coefficients"])
                 scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
                 for p, o in zip(params, ortho):
                     p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -69,13 +81,15 @@ class Muon(torch.optim.Optimizer):
 
 
 def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
-                     device_kind: str) -> list[torch.optim.Optimizer]:
+                     device_kind: str, rank: int = 0, world_size: int = 1) -> list[torch.optim.Optimizer]:
     """One optimizer per algorithm; every param group remembers its base LR for the schedule."""
     adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=device_kind == "cuda")
     adam_groups = [
         dict(params=groups["embedding"], lr=cfg.embedding_lr, weight_decay=0.0),
         dict(params=groups["unembedding"], lr=cfg.unembedding_lr, weight_decay=0.0),
     ]
+    if groups.get("scalar"):  # only models with per-layer scalars have them
+        adam_groups.append(dict(params=groups["scalar"], lr=cfg.scalar_lr, weight_decay=0.0))
     if cfg.name == "adamw":
         adam_groups.append(dict(params=groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay))
         optimizers = [torch.optim.AdamW(adam_groups, **adam)]
@@ -83,7 +97,7 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
         optimizers = [
             torch.optim.AdamW(adam_groups, **adam),
             Muon(groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay,
-                 ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients),
+                 ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients, rank=rank, world_size=world_size),
         ]
     for opt in optimizers:
         for group in opt.param_groups:

@@ -9,8 +9,8 @@ from rich.table import Table
 
 
 class RunDisplay:
-    def __init__(self, enabled: bool = True, console: Console | None = None):
-        self.console = console or Console(stderr=True)
+    def __init__(self, enabled: bool = True, console: Console | None = None, quiet: bool = False):
+        self.console = console or Console(stderr=True, quiet=quiet)  # quiet: ranks other than 0
         self.enabled = enabled
         self.progress = Progress(
             TextColumn("[bold]budget"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),

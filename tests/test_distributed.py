@@ -1,0 +1,86 @@
+"""Data-parallel training through torchrun on CPU (gloo)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from frontier import load_for_eval
+from frontier.config import to_config
+from frontier.data import load_corpus, load_tokenizer, resolve_splits, validation_rows
+from frontier.device import resolve_device
+from frontier.evaluate import val_bpb
+from tests.conftest import FAST, ROOT, compose_config, run_cli
+
+pytestmark = pytest.mark.slow
+STEPS = [*FAST, "budget.max_steps=4", "budget.excluded_steps=0", "train.log_every_fraction=0.01",
+         "eval.every_fraction=0", "checkpoint.every_fraction=0"]
+
+
+def torchrun(n: int, args: list[str], env: dict | None = None, timeout: float = 600):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                           "-m", "frontier.train", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def losses(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line["train/loss"] for line in lines if "train/loss" in line]
+
+
+def test_two_ranks_follow_the_single_process_loss_trajectory(wiki, tmp_path):
+    single = run_cli([*STEPS, f"hydra.run.dir={tmp_path / 'one'}"])
+    assert single.returncode == 0, single.stderr
+    double = torchrun(2, [*STEPS, f"hydra.run.dir={tmp_path / 'two'}"])
+    assert double.returncode == 0, double.stderr
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    assert all(math.isclose(a, b, rel_tol=2e-2) for a, b in zip(one, two)), (one, two)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens_seen"] == 4 * 8192
+
+    # The consolidated checkpoint loads on one device, and one process measures the same val_bpb.
+    raw = compose_config(STEPS)
+    config = to_config(raw)
+    train_split, val_split = resolve_splits(config.data)
+    tokenizer = load_tokenizer(config.data, train_split)
+    rows = validation_rows(load_corpus(val_split, tokenizer, config.data, "val"), 256, config.eval.final_tokens)
+    model = load_for_eval(tmp_path / "two" / "final.pt", "cpu")
+    bpb, _ = val_bpb(model, rows, tokenizer.token_bytes, resolve_device("cpu", "bf16"), batch_rows=8)
+    assert math.isclose(bpb, summary["val_bpb"], rel_tol=1e-4), (bpb, summary["val_bpb"])
+
+
+def test_both_ranks_stop_at_the_same_step_under_a_time_budget(wiki, tmp_path):
+    result = torchrun(2, [*FAST, "budget.seconds=4", "budget.excluded_steps=1", "eval.every_fraction=0.5",
+                          f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["charged_seconds"] >= 4 and summary["steps"] >= 2
+
+
+def test_a_world_size_that_does_not_divide_the_batch_is_one_clear_error(wiki, tmp_path):
+    result = torchrun(3, [*FAST, f"hydra.run.dir={tmp_path}"])
+    assert result.returncode != 0
+    message = "train.batch_tokens=8192 gives 32 rows of model.seq_len per step, which the world size 3 does not divide"
+    assert result.stderr.count(message) == 1  # said once, by rank 0
+
+
+def test_a_rank_that_crashes_ends_the_job_instead_of_hanging(wiki, tmp_path):
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from frontier.budget import BudgetClock\n"
+        "    real = BudgetClock.add_step\n"
+        "    def crash(self, seconds):\n"
+        "        if self.steps == 2:\n"
+        "            raise RuntimeError('rank 1 lost its device')\n"
+        "        return real(self, seconds)\n"
+        "    BudgetClock.add_step = crash\n")
+    env = {"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = torchrun(2, [*FAST, "budget.max_steps=50", f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=300)
+    assert result.returncode != 0
+    assert "rank 1 lost its device" in result.stderr

@@ -1,0 +1,212 @@
+"""Failure cases, one test each: the run ends with a clear status and nothing is lost."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing import get_context
+
+import pytest
+import torch
+
+from frontier import data as data_module
+from frontier import observers
+from frontier import train as train_module
+from frontier.config import DataConfig
+from frontier.data import DataError, load_corpus, load_tokenizer, resolve_splits
+from frontier.progress import RunDisplay
+from frontier.train import Diverged, train
+from tests.conftest import FAST, ROOT, compose_config
+
+QUIET = RunDisplay(enabled=False)
+STEPS = [*FAST, "budget.max_steps=8", "train.log_every_fraction=0.01", "checkpoint.every_fraction=0.5"]
+
+
+class LossRecorder:
+    def __init__(self, interrupt_at=None):
+        self.losses, self.interrupt_at = {}, interrupt_at
+
+    def on_log(self, metrics, step):
+        self.losses[step] = metrics["train/loss"]
+        if step == self.interrupt_at:
+            raise KeyboardInterrupt
+
+
+def record(monkeypatch, recorder):
+    monkeypatch.setattr(observers, "for_run", lambda run: [recorder])
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_with_exactly_the_same_losses(wiki, tmp_path, monkeypatch):
+    full = LossRecorder()
+    record(monkeypatch, full)
+    expected_bpb = train(compose_config(STEPS), tmp_path / "full", QUIET)
+
+    cut = LossRecorder(interrupt_at=3)
+    record(monkeypatch, cut)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose_config(STEPS), tmp_path / "cut", QUIET)
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["status"] == "KILLED" and (tmp_path / "cut" / "resume.pt").is_file()
+
+    resumed = LossRecorder()
+    record(monkeypatch, resumed)
+    bpb = train(compose_config([*FAST, f"resume={tmp_path / 'cut'}"]), tmp_path / "ignored", QUIET)
+    assert sorted(resumed.losses) == [4, 5, 6, 7, 8]
+    assert all(resumed.losses[s] == full.losses[s] for s in resumed.losses), (resumed.losses, full.losses)
+    assert bpb == expected_bpb
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["steps"] == 8 and summary["resumed"] == 1
+    assert not (tmp_path / "cut" / "resume.pt").exists() and (tmp_path / "cut" / "final.pt").is_file()
+
+
+def cli(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "frontier.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for(path, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
+    args = [*FAST, "budget.max_steps=16", "checkpoint.every_fraction=0.25", "eval.every_fraction=0"]
+    proc = cli([*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    wait_for(tmp_path / "run" / "resume.pt", proc)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "run" / "final.pt").exists()
+    resumed = cli([f"resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'second'}", "tracking.enabled=false"])
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["steps"] == 16 and summary["resumed"] == 1
+    assert math.isfinite(summary["val_bpb"])
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(wiki, tmp_path):
+    proc = cli([*FAST, "budget.max_steps=100000", "checkpoint.every_fraction=0.00001", "eval.every_fraction=0",
+                f"hydra.run.dir={tmp_path}"])
+    wait_for(tmp_path / "resume.pt", proc)  # written after the first step: training is under way
+    (tmp_path / "resume.pt").unlink()
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - start < 15
+    assert proc.returncode == 130 and "Traceback" not in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "KILLED" and summary["steps"] >= 1
+    assert (tmp_path / "resume.pt").is_file()
+
+
+def test_a_nan_loss_stops_the_run_as_diverged(wiki, tmp_path, monkeypatch):
+    real_step = train_module.train_step
+
+    def poisoned(run):
+        loss = real_step(run)
+        return loss * math.nan if run.clock.steps >= 2 else loss  # steps counts completed steps
+
+    monkeypatch.setattr(train_module, "train_step", poisoned)
+    with pytest.raises(Diverged, match=r"diverged at step 3 \(loss=nan\)"):
+        train(compose_config([*FAST, "budget.max_steps=6", "train.log_every_fraction=0.01"]), tmp_path, QUIET)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "FAILED" and "diverged at step 3 (loss=nan)" in summary["error"]
+
+
+def test_a_loss_above_the_ceiling_is_divergence_too(wiki, tmp_path):
+    with pytest.raises(Diverged, match="diverged at step 1"):
+        train(compose_config([*FAST, "budget.max_steps=3", "train.loss_ceiling=0.5"]), tmp_path, QUIET)
+
+
+def shards(folder, texts_per_shard):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    for i, texts in enumerate(texts_per_shard):
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), folder / f"shard_{i:05d}.parquet")
+    return folder
+
+
+def small_data(tmp_path, folder):
+    return DataConfig(path=str(folder), vocab_size=300, tokenizer_train_chars=50_000, cache_dir=str(tmp_path / "c"))
+
+
+def test_a_corrupt_shard_is_a_clear_error_naming_it(tmp_path):
+    folder = shards(tmp_path / "d", [["some words"] * 20, ["more words"] * 20])
+    (folder / "shard_00000.parquet").write_bytes(b"PAR1 this is not parquet")
+    cfg = small_data(tmp_path, folder)
+    train_split, _ = resolve_splits(cfg)
+    with pytest.raises(DataError, match="cannot read .*shard_00000.parquet"):
+        load_tokenizer(cfg, train_split)
+
+
+def test_empty_shards_and_documents_are_counted_not_silently_dropped(tmp_path):
+    folder = shards(tmp_path / "d", [["alpha beta"] * 30 + [""] * 5, [], ["gamma delta"] * 10])
+    cfg = small_data(tmp_path, folder)
+    train_split, _ = resolve_splits(cfg)
+    corpus = load_corpus(train_split, load_tokenizer(cfg, train_split), cfg, "train")
+    assert corpus.num_documents == 30
+    assert corpus.meta["skipped_empty_documents"] == 5
+    assert corpus.meta["empty_files"] == [str(folder / "shard_00001.parquet")]
+
+
+def test_a_document_that_is_not_utf8_is_a_clear_error(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"fine text\n\nmore fine text")
+    (folder / "b.txt").write_bytes(b"bad \xff\xfe bytes")
+    cfg = small_data(tmp_path, folder)
+    train_split, val_split = resolve_splits(cfg)
+    tokenizer = load_tokenizer(cfg, train_split)
+    with pytest.raises(DataError, match="cannot read .*b.txt"):
+        load_corpus(val_split, tokenizer, cfg, "val")
+
+
+def test_a_half_written_or_foreign_cache_is_rebuilt_never_used(tmp_path):
+    folder = shards(tmp_path / "d", [["alpha beta gamma"] * 40, ["delta"] * 10])
+    cfg = small_data(tmp_path, folder)
+    train_split, _ = resolve_splits(cfg)
+    tokenizer = load_tokenizer(cfg, train_split)
+    corpus = load_corpus(train_split, tokenizer, cfg, "train")
+    expected = corpus.tokens.copy()
+    with open(corpus.directory / "tokens.bin", "r+b") as f:  # a crash mid-write
+        f.truncate(10)
+    assert (load_corpus(train_split, tokenizer, cfg, "train").tokens == expected).all()
+    meta = json.loads((corpus.directory / "meta.json").read_text())
+    (corpus.directory / "meta.json").write_text(json.dumps({**meta, "version": -1}))  # another version
+    assert (load_corpus(train_split, tokenizer, cfg, "train").tokens == expected).all()
+    tok_path = tokenizer.path
+    tok_path.write_text(tok_path.read_text()[:100])  # a damaged tokenizer file
+    assert load_tokenizer(cfg, train_split).fingerprint() == tokenizer.fingerprint()
+
+
+def build_cache(args):
+    folder, cache, log = args
+    cfg = DataConfig(path=folder, vocab_size=300, tokenizer_train_chars=50_000, cache_dir=cache)
+    builds = []
+    real = data_module._build_corpus
+    data_module._build_corpus = lambda *a: (builds.append(1), real(*a))[1]
+    train_split, _ = resolve_splits(cfg)
+    corpus = load_corpus(train_split, load_tokenizer(cfg, train_split), cfg, "train")
+    with open(log, "a") as f:
+        f.write(f"{len(builds)} {corpus.num_tokens}\n")
+
+
+def test_four_processes_racing_build_the_cache_once(tmp_path):
+    folder = shards(tmp_path / "d", [[f"document {i} " * 50 for i in range(300)], ["held out"] * 10])
+    log = tmp_path / "log"
+    with get_context("spawn").Pool(4) as pool:
+        pool.map(build_cache, [(str(folder), str(tmp_path / "cache"), str(log))] * 4)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert len(lines) == 4
+    assert sum(int(built) for built, _ in lines) == 1  # one process built it, three read it
+    assert len({tokens for _, tokens in lines}) == 1
