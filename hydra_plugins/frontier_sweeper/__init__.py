@@ -1,0 +1,1 @@
+"""Frontier's Hydra sweeper: budgeted Optuna searches selected with `--multirun sweep=NAME`."""

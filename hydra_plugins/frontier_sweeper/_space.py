@@ -1,0 +1,90 @@
+"""Search spaces in Hydra's sweep syntax, as hydra-optuna-sweeper's `params:` reads them.
+
+  choice(a, b, c)              -> categorical (also the command line's a,b,c)
+  range(lo, hi, step)          -> integers (or floats) lo, lo+step, ... below hi, as Python's range
+  interval(lo, hi)             -> uniform float (int(interval(...)) for integers)
+  tag(log, interval(lo, hi))   -> log-uniform
+  a plain value                -> passed unchanged to every trial
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, Transformer
+from hydra.errors import HydraException
+from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
+                                  IntDistribution)
+
+from frontier.config import ConfigError
+
+ALLOWED = "use choice(...), range(...), interval(...) or tag(log, interval(...))"
+
+
+def distribution(override: Override) -> BaseDistribution:
+    value = override.value()
+    if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
+        return CategoricalDistribution(list(override.sweep_iterator()))
+    if override.is_range_sweep():
+        values = list(override.sweep_iterator())
+        if all(isinstance(v, int) for v in values):
+            return IntDistribution(values[0], values[-1], step=value.step)
+        return FloatDistribution(values[0], round(values[0] + value.step * (len(values) - 1), 12),
+                                 step=value.step)
+    if override.is_interval_sweep():
+        log = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return IntDistribution(value.start, value.end, log=log)
+        return FloatDistribution(value.start, value.end, log=log)
+    raise ValueError(f"{type(value).__name__} is not supported")
+
+
+def parse(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, BaseDistribution], list[str]]:
+    """The search space and the overrides every trial gets. `params` come from the preset;
+    `arguments` are the command line's: its sweeps (model=base,wide) join the space, its plain
+    values are passed on, and `sweep=...` / `sweep.*` only configure the sweeper."""
+    parser = OverridesParser.create()
+    space: dict[str, BaseDistribution] = {}
+    fixed: dict[str, str] = {}  # key -> the override as written
+    # (what to call it in an error, the override line)
+    lines = [(f"sweep.params.{key}={expr!r}", f"{key}={expr}") for key, expr in params.items()]
+    lines += [(repr(arg), arg) for arg in arguments]
+    for name, line in lines:
+        try:
+            override = parser.parse_override(line)
+        except HydraException as err:
+            raise ConfigError(f"{name} is not a valid search-space expression "
+                              f"({str(err).splitlines()[0]}): {ALLOWED}") from None
+        key = override.get_key_element()
+        if override.key_or_group == "sweep" or override.key_or_group.startswith("sweep."):
+            continue
+        space.pop(key, None)
+        fixed.pop(key, None)
+        if override.is_sweep_override():
+            try:
+                space[key] = distribution(override)
+            except (ValueError, HydraException) as err:
+                raise ConfigError(f"{name} is not a valid search space ({err}): {ALLOWED}") from None
+        else:
+            fixed[key] = line
+    return space, list(fixed.values())
+
+
+def as_override(key: str, value: Any) -> str:
+    return f"{key}={Transformer.str(value)}"
+
+
+def grid_values(space: dict[str, BaseDistribution]) -> dict[str, list]:
+    """The grid sampler's search space: every value of each discrete parameter."""
+    grid = {}
+    for key, dist in space.items():
+        if isinstance(dist, CategoricalDistribution):
+            grid[key] = list(dist.choices)
+        elif isinstance(dist, (IntDistribution, FloatDistribution)) and dist.step is not None and not dist.log:
+            count = round((dist.high - dist.low) / dist.step) + 1
+            grid[key] = [dist.low + i * dist.step if isinstance(dist, IntDistribution)
+                         else round(dist.low + i * dist.step, 12) for i in range(count)]
+        else:
+            raise ConfigError(f"sweep.params.{key}={dist} is not allowed with sweep.sampler='grid': "
+                              "give it choice(...) or range(...) values")
+    return grid

@@ -1,0 +1,436 @@
+"""A budgeted Optuna study, run by `--multirun sweep=NAME`.
+
+`sweep.n_jobs` worker threads each loop: ask the study for a trial (under a lock that keeps
+`n_trials` exact across processes and machines), run it as `python -m frontier.train ...` in a
+process of its own pinned to the worker's device, then tell the study how it ended. A new trial
+starts as soon as any ends: there is no batch barrier. The trial's process reports its
+checkpoints to the same storage (frontier/trial.py), where the pruner decides. Another machine
+running the same command against the same storage joins the study.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import BaseDistribution
+from optuna.storages._heartbeat import get_heartbeat_thread
+from optuna.trial import TrialState
+
+from frontier.config import ConfigError, SweepConfig
+from frontier.trial import ask_lock, build_pruner, default_storage, fail_stale_trials, is_rdb, open_storage
+from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slot:
+    """Where one worker runs its trials: the environment that pins the trial's process."""
+
+    label: str
+    env: dict[str, str]
+
+
+def _visible_ids(variable: str, count: int) -> list[str]:
+    """Device ids this process may use: an existing restriction, else all of them."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return [str(i) for i in range(count)]
+    ids = []
+    for part in value.split(","):
+        first, _, last = part.partition("-")  # NEURON_RT_VISIBLE_CORES also takes ranges: 0-3
+        ids += [str(i) for i in range(int(first), int(last or first) + 1)] if first.isdigit() else [part]
+    return ids
+
+
+def device_slots(device: str, n_jobs: int) -> list[Slot]:
+    """One slot per parallel trial: its own GPU or NeuronCore, or on CPU its share of the cores."""
+    import torch
+
+    from frontier.device import neuron_available
+
+    if ":" in device:
+        raise ConfigError(f"device={device!r} is not allowed in a sweep: each trial gets a device of its "
+                          "own, so use device=auto, cuda or neuron (restrict them with "
+                          "CUDA_VISIBLE_DEVICES or NEURON_RT_VISIBLE_CORES)")
+    kind = device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
+    if kind == "cuda":
+        variable, ids = "CUDA_VISIBLE_DEVICES", _visible_ids("CUDA_VISIBLE_DEVICES", torch.cuda.device_count())
+    elif kind == "neuron":
+        count_cores = getattr(torch.neuron, "device_count", None) if neuron_available() else None
+        count = count_cores() if count_cores else 0  # else name them in NEURON_RT_VISIBLE_CORES
+        variable, ids = "NEURON_RT_VISIBLE_CORES", _visible_ids("NEURON_RT_VISIBLE_CORES", count)
+    else:
+        ids = [str(i) for i in sorted(os.sched_getaffinity(0))]
+        if n_jobs > len(ids):
+            raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} CPU "
+                              f"cores for parallel CPU trials, so at most {len(ids)}")
+        threads = str(len(ids) // n_jobs)  # each trial gets its share of the cores, none oversubscribed
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return [Slot(f"cpu ({threads} threads)", env) for _ in range(n_jobs)]
+    if n_jobs > len(ids):
+        raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} {kind} "
+                          f"device(s) ({variable}={','.join(ids) or 'none'}), so at most {len(ids)}")
+    return [Slot(f"{kind} {variable}={ids[i]}", {variable: ids[i]}) for i in range(n_jobs)]
+
+
+class GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler calls Study.stop() when the grid is done, which works only inside
+    Study.optimize; the workers stop on `n_trials` (the grid's size) and is_exhausted() instead."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
+def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
+    seed, startup = sweep.seed, sweep.n_startup_trials
+    if sweep.sampler == "tpe":
+        # Optuna 5 changed TPE's defaults: the settings that matter are pinned here. constant_liar
+        # keeps parallel workers from proposing the same point as a trial that is still running.
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, n_ei_candidates=24,
+                                          multivariate=True, group=False, constant_liar=True)
+    if sweep.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sweep.sampler == "grid":
+        return GridSampler(grid_values(space), seed=seed)
+    if sweep.sampler == "cmaes":
+        import importlib.util
+
+        if importlib.util.find_spec("cmaes") is None:
+            raise ConfigError("sweep.sampler='cmaes' is not available: it needs the cmaes package "
+                              "(pip install cmaes); or choose tpe, random, grid or gp")
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=startup,
+                                            independent_sampler=optuna.samplers.RandomSampler(seed=seed),
+                                            warn_independent_sampling=False)
+    return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup, deterministic_objective=False,
+                                     independent_sampler=optuna.samplers.RandomSampler(seed=seed),
+                                     warn_independent_sampling=False)
+
+
+def pruner_settings(sweep: SweepConfig, every_fraction: float) -> dict:
+    """The pruner's arguments, stored in the study so that each trial's process builds the same."""
+    if sweep.pruner == "none":
+        return {"name": "none"}
+    if every_fraction <= 0:
+        raise ConfigError(f"sweep.pruner={sweep.pruner!r} is not allowed with eval.every_fraction=0: "
+                          "trials then report no checkpoints; set eval.every_fraction (e.g. 0.1) or "
+                          "sweep.pruner=none")
+    checkpoints = round(1 / every_fraction)  # checkpoint k = k * every_fraction of the budget
+    if sweep.min_resource >= checkpoints:
+        raise ConfigError(f"sweep.min_resource={sweep.min_resource} is not allowed: trials report "
+                          f"checkpoints 1..{checkpoints - 1} (eval.every_fraction={every_fraction}), "
+                          f"so at most {checkpoints - 1}")
+    return {"name": sweep.pruner, "min_resource": sweep.min_resource, "max_resource": checkpoints,
+            "reduction_factor": sweep.reduction_factor}
+
+
+def trainer_command() -> list[str]:
+    """The command that started this sweep, for its trials: `python -m frontier.train`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, sys.argv[0]]
+
+
+def describe_exit(returncode: int, log_path: Path) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return f"killed by {name}" + (" (out of host memory?)" if name == "SIGKILL" else "")
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {returncode}"
+
+
+def safe_storage(spec: str) -> str:
+    """The storage URL without its password, for logs and MLflow."""
+    if not is_rdb(spec):
+        return spec
+    from sqlalchemy.engine import make_url
+
+    return make_url(spec).render_as_string(hide_password=True)
+
+
+class Sweep:
+    def __init__(self, config: DictConfig, arguments: list[str], config_loader) -> None:
+        self.config = config
+        self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
+        self.space, self.fixed = parse(self.sweep.params, arguments)
+        self.study_name = self.sweep.study_name or self.sweep.name
+        self.storage_spec = self.sweep.storage or default_storage(self.study_name)
+        self.slots = device_slots(config.device, self.sweep.n_jobs)
+        self.pruner = pruner_settings(self.sweep, config.eval.every_fraction)
+        self.sampler = make_sampler(self.sweep, self.space)
+        self.n_trials = self.sweep.n_trials
+        if isinstance(self.sampler, GridSampler):  # each point once
+            size = math.prod(len(v) for v in grid_values(self.space).values())
+            self.n_trials = min(self.n_trials or size, size)
+        if self.n_trials is None and self.sweep.timeout is None:
+            raise ConfigError("sweep.n_trials=null is not allowed without sweep.timeout: set either of them")
+        self.check_composes(config_loader)
+        self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        self.study = self.open_study()
+        self.command = trainer_command()
+        self.lock = threading.Lock()  # one ask or tell at a time in this process
+        self.stopping = threading.Event()
+        self.stop_reason = ""
+        self.errors: list[BaseException] = []
+        self.failures = 0
+        self.busy_seconds = 0.0
+        self.processes: set[subprocess.Popen] = set()
+        self.terminated: set[subprocess.Popen] = set()  # trials this sweeper stopped (Ctrl-C, SIGTERM)
+        self.start = time.monotonic()
+        self.parent_run_id = None
+
+    def check_composes(self, config_loader) -> None:
+        """Every trial's overrides must compose (keys exist, types fit) before any trial starts."""
+        first = {key: _low(dist) for key, dist in self.space.items()}
+        batches = [first] + [{**first, key: choice} for key, dist in self.space.items()
+                             if isinstance(dist, optuna.distributions.CategoricalDistribution)
+                             for choice in dist.choices]
+        for params in batches:
+            overrides = self.fixed + [as_override(k, v) for k, v in params.items()]
+            try:
+                config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
+            except Exception as err:
+                raise ConfigError(f"the trial overrides {' '.join(overrides)} do not compose: "
+                                  f"{str(err).splitlines()[0]}") from None
+
+    def open_study(self) -> optuna.Study:
+        try:
+            storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
+            study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
+                                        pruner=build_pruner(**self.pruner), direction="minimize",
+                                        load_if_exists=True)
+        except Exception as err:
+            raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
+                              f"({type(err).__name__}: {str(err).splitlines()[0]}): give a reachable "
+                              "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
+        ran_with = study.user_attrs.get("overrides")
+        if study.trials and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
+            raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
+                              f"ran with the overrides {ran_with}, this command has {self.fixed}; "
+                              "choose another sweep.study_name")
+        study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
+                                      "space": {k: str(v) for k, v in self.space.items()},
+                                      "sampler": self.sweep.sampler, "seed": self.sweep.seed})
+        study.set_user_attr("pruner", self.pruner)
+        study.set_user_attr("overrides", self.fixed)
+        study.set_user_attr("every_fraction", self.config.eval.every_fraction)
+        study.set_user_attr("budget_seconds", self.config.budget.seconds)
+        study.set_user_attr("sweep_dir", str(self.sweep_dir))
+        return study
+
+    # -- MLflow: one parent run per command; each trial's run is nested under it ------------------
+
+    def start_tracking(self) -> None:
+        if not self.config.tracking.enabled:
+            return
+        try:
+            from frontier import tracking
+        except ImportError:
+            log.warning("frontier.tracking is not available: this sweep is not recorded in MLflow")
+            return
+        cfg = OmegaConf.to_object(self.config.tracking)
+        tracking.ensure_store(tracking.tracking_uri(cfg))  # once, before parallel trials race to create it
+        params = {"study": self.study_name, "storage": safe_storage(self.storage_spec),
+                  "sampler": self.sweep.sampler, "seed": self.sweep.seed, "pruner": self.sweep.pruner,
+                  "n_trials": self.n_trials, "n_jobs": self.sweep.n_jobs, "timeout": self.sweep.timeout,
+                  "overrides": " ".join(self.fixed)}
+        params.update({f"space.{key}": str(dist) for key, dist in self.space.items()})
+        tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name}
+        self.parent_run_id = tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags)
+        self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
+        self.study.set_user_attr("mlflow_tracking_uri", tracking.tracking_uri(cfg))
+
+    def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
+        if self.parent_run_id is None:
+            return
+        from frontier import tracking
+
+        tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
+                                metrics, artifacts)
+
+    # -- the workers ----------------------------------------------------------------------------
+
+    def next_trial(self) -> optuna.Trial | None:
+        with self.lock, ask_lock(self.storage_spec, self.study._storage, self.study_name):
+            for number in fail_stale_trials(self.study):
+                log.warning(f"trial {number} FAIL: its process stopped sending heartbeats")
+            if not self.stopping.is_set():
+                self.stop_reason = self.limit_reached()
+                if self.stop_reason:
+                    self.stopping.set()
+            if self.stopping.is_set():
+                return None
+            with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize()"
+                warnings.simplefilter("ignore")
+                return self.study.ask(self.space)
+
+    def limit_reached(self) -> str:
+        count = len(self.study.get_trials(deepcopy=False))
+        if self.n_trials is not None and count >= self.n_trials:
+            return f"the study has {count} trials (sweep.n_trials={self.n_trials})"
+        if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
+            return f"sweep.timeout={self.sweep.timeout:g} s has passed"
+        if self.failures > self.sweep.max_failures:
+            return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
+        if isinstance(self.sampler, GridSampler) and self.sampler.is_exhausted(self.study):
+            return "every point of the grid has been run"
+        return ""
+
+    def worker(self, slot: Slot, done: threading.Event) -> None:
+        try:
+            while not self.stopping.is_set():
+                trial = self.next_trial()
+                if trial is None:
+                    return
+                self.run_trial(trial, slot)
+        except BaseException as err:  # e.g. the storage went away: stop the sweep, report in main
+            log.exception(f"worker on {slot.label} stopped")
+            self.errors.append(err)
+            self.stopping.set()
+        finally:
+            done.set()
+
+    def run_trial(self, trial: optuna.Trial, slot: Slot) -> None:
+        run_dir = self.sweep_dir / str(trial.number)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        params = [as_override(key, value) for key, value in trial.params.items()]
+        overrides = self.fixed + params
+        extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
+                 f"trial.number={trial.number}", as_override("hydra.run.dir", str(run_dir))]
+        if self.parent_run_id is not None:
+            extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
+        for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
+                           "device": slot.label}.items():
+            trial.set_user_attr(key, value)
+        log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}")
+        output = run_dir / "output.log"
+        started = time.monotonic()
+        with open(output, "w") as out, get_heartbeat_thread(trial._trial_id, self.study._storage):
+            # a session of its own: Ctrl-C reaches the sweeper only, which stops each trial once
+            process = subprocess.Popen(self.command + overrides + extra, stdout=out, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **slot.env}, start_new_session=True)
+            self.processes.add(process)
+            returncode = process.wait()
+            self.processes.discard(process)
+        seconds = time.monotonic() - started
+        self.finish_trial(trial, returncode, run_dir, seconds, process in self.terminated)
+
+    def finish_trial(self, trial: optuna.Trial, returncode: int, run_dir: Path, seconds: float,
+                     terminated: bool) -> None:
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        status, value = summary.get("status"), summary.get("val_bpb")
+        attrs = {"status": status, "seconds": round(seconds, 2)}
+        attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen") if key in summary})
+        if returncode == 0 and status == "FINISHED" and value is not None and math.isfinite(value):
+            state, message = TrialState.COMPLETE, f"val_bpb {value:.4f}"
+        elif returncode == 0 and status == "PRUNED":
+            state, value, message = TrialState.PRUNED, None, summary.get("error", "pruned")
+            attrs["prune_reason"] = message
+        else:
+            state, value = TrialState.FAIL, None
+            message = summary.get("error") or ("stopped by the sweeper (interrupted)" if terminated
+                                               else describe_exit(returncode, run_dir / "output.log"))
+            attrs["fail_reason"] = message
+        with self.lock:
+            self.busy_seconds += seconds
+            if state == TrialState.FAIL:
+                self.failures += 1
+            try:
+                for key, attr in attrs.items():
+                    trial.set_user_attr(key, attr)
+                self.study.tell(trial, value, state=state, skip_if_finished=True)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                log.warning(f"trial {trial.number} had already been ended by another worker")
+        log.info(f"trial {trial.number} {state.name} after {seconds:.0f} s: {message}")
+
+    # -- the whole sweep ------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+        self.start_tracking()
+        log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
+                 f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
+                 f"{safe_storage(self.storage_spec)}, trial outputs in {self.sweep_dir}")
+        self.start = time.monotonic()
+        # an Event per worker, not Thread.join: a join interrupted by Ctrl-C can leave is_alive() wrong
+        done = [threading.Event() for _ in self.slots]
+        for i, (slot, event) in enumerate(zip(self.slots, done)):
+            threading.Thread(target=self.worker, args=(slot, event), name=f"worker-{i}", daemon=True).start()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminate)
+        status = "FINISHED"
+        try:
+            for event in done:
+                while not event.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
+                    pass
+        except KeyboardInterrupt:
+            status = "KILLED"
+            self.stop_reason = "interrupted"
+            self.stopping.set()
+            while not all(event.is_set() for event in done):
+                for process in set(self.processes) - self.terminated:  # each trial ends KILLED, recorded FAIL
+                    self.terminated.add(process)
+                    process.terminate()
+                time.sleep(0.2)
+        wall = time.monotonic() - self.start
+        utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
+        log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
+                 f"{utilization:.0%} ({self.busy_seconds:.0f} busy of {wall * len(self.slots):.0f} "
+                 "device-seconds)")
+        result = self.report(status if not self.errors else "FAILED", utilization)
+        if status == "KILLED":
+            raise SystemExit(130)  # the trials and the report are recorded: no traceback needed
+        if self.errors:
+            raise self.errors[0]
+        if self.failures > self.sweep.max_failures:
+            raise RuntimeError(f"the sweep stopped early: {self.stop_reason}; see each trial's "
+                               f"output.log under {self.sweep_dir}")
+        return result
+
+    def report(self, status: str, utilization: float) -> dict:
+        from frontier.sweep_report import write_report
+
+        report = write_report(self.study, self.sweep_dir / "report")
+        if report.get("best"):
+            best = report["best"]
+            log.info(f"best: trial {best['number']}, val_bpb {best['value']:.4f}: "
+                     f"python -m frontier.train {' '.join(best['overrides'])}")
+        counts = report["counts"]
+        metrics = {"best_val_bpb": report["best"]["value"] if report.get("best") else math.nan,
+                   "device_utilization": utilization,
+                   **{f"trials_{state.lower()}": n for state, n in counts.items()}}
+        self.end_tracking(status, metrics, report["files"])
+        return report
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (preemption, time limits) stops the sweep like Ctrl-C
+
+
+def _low(dist: BaseDistribution):
+    return dist.choices[0] if isinstance(dist, optuna.distributions.CategoricalDistribution) else dist.low
+
+
+def _comparable(overrides: list[str]) -> list[str]:
+    """The overrides that change what a trial computes (not where it is tracked or written)."""
+    return sorted(o for o in overrides if not o.lstrip("+~").startswith(("tracking.", "hydra.")))
+
+
+def run_sweep(config: DictConfig, arguments: list[str], config_loader) -> dict:
+    return Sweep(config, arguments, config_loader).run()

@@ -1,0 +1,283 @@
+"""Budgeted Optuna sweeps (`--multirun sweep=NAME`): search, pruning, failures, resume, parallel
+workers on a journal file and on PostgreSQL, MLflow nesting, and the plain Hydra grid.
+
+Sweeps run as `python -m frontier.train --multirun ...` subprocesses, as a user runs them, with a
+CPU-sized model and budgets of a few steps, so that a trial takes seconds.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from optuna.trial import TrialState
+
+from frontier.config import ConfigError
+from frontier.trial import STALE_REASON, fail_stale_trials, open_storage
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000",
+    "budget.seconds=5", "budget.max_steps=4", "budget.excluded_steps=0",
+    "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
+    "eval.every_fraction=0.25", "tracking.enabled=false",
+]
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def sweep_command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "frontier.train", "--multirun", *TINY, *args, f"hydra.sweep.dir={out}"]
+
+
+def run_sweep(out: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(sweep_command(out, *args), cwd=ROOT, text=True, timeout=600,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # Hydra logs to stdout
+    if ok:
+        assert done.returncode == 0, done.stdout[-3000:]
+    return done
+
+
+def load(storage: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=open_storage(storage))
+
+
+def states(study: optuna.Study) -> list[str]:
+    return [t.state.name for t in study.get_trials(deepcopy=False)]
+
+
+# -----------------------------------------------------------------------------
+# Search, resume, report
+
+
+@pytest.fixture(scope="module")
+def tpe_sweep(tmp_path_factory):
+    """sweep=lr with TPE: 4 trials, then the same command asking for 6 in total."""
+    tmp = tmp_path_factory.mktemp("tpe")
+    storage = str(tmp / "study.journal")
+    args = ["sweep=lr", "sweep.n_jobs=2", "sweep.n_startup_trials=2", "sweep.pruner=none",
+            f"sweep.storage={storage}", "sweep.study_name=tpe"]
+    run_sweep(tmp / "first", *args, "sweep.n_trials=4")
+    second = run_sweep(tmp / "second", *args, "sweep.n_trials=6")
+    return tmp, storage, second
+
+
+def test_tpe_sweep_completes_and_resumes_to_the_total_asked(tpe_sweep):
+    tmp, storage, second = tpe_sweep
+    study = load(storage, "tpe")
+    trials = study.get_trials(deepcopy=False)
+    assert [t.number for t in trials] == list(range(6))
+    assert states(study) == ["COMPLETE"] * 6
+    assert sorted(p.name for p in (tmp / "first").iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"]
+    assert sorted(p.name for p in (tmp / "second").iterdir() if p.name.isdigit()) == ["4", "5"]
+    assert {tuple(sorted(t.params)) for t in trials} == {
+        ("optim.embedding_lr", "optim.matrix_lr", "optim.unembedding_lr")}
+    best = study.best_trial
+    assert f"best: trial {best.number}, val_bpb {best.value:.4f}" in second.stdout
+    assert "optim.matrix_lr=" in " ".join(best.user_attrs["overrides"])
+    assert "device utilisation" in second.stdout
+    report = (tmp / "second" / "report" / "report.md").read_text()
+    assert f"trial {best.number}, val_bpb **{best.value:.4f}**" in report
+
+
+def test_sweep_report_command_writes_tables_and_plots(tpe_sweep):
+    tmp, storage, _ = tpe_sweep
+    out = tmp / "report"
+    done = subprocess.run([sys.executable, "-m", "frontier.sweep_report", "study=tpe", f"storage={storage}",
+                           f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "## Top 10" in done.stdout and "## Parameter importances" in done.stdout
+    for name in ("report.md", "history.png", "val_bpb_vs_budget.png", "importances.png"):
+        assert (out / name).stat().st_size > 0
+    missing = subprocess.run([sys.executable, "-m", "frontier.sweep_report", "study=nope", f"storage={storage}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "studies there: tpe" in missing.stderr
+
+
+# -----------------------------------------------------------------------------
+# Pruning, failures, MLflow
+
+
+def test_aggressive_pruner_records_pruned_trials(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    # A finished trial far better than any tiny run at every checkpoint: successive halving
+    # must prune each new trial at its first checkpoint.
+    study = optuna.create_study(study_name="prune", storage=open_storage(storage))
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.COMPLETE, value=0.1, intermediate_values={1: 0.1, 2: 0.1, 3: 0.1},
+        system_attrs={"completed_rung_0": 0.1, "completed_rung_1": 0.1}))
+    done = run_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=successive_halving",
+                     "sweep.n_trials=3", "sweep.n_jobs=2", f"sweep.storage={storage}", "sweep.study_name=prune")
+    study = load(storage, "prune")
+    assert states(study) == ["COMPLETE", "PRUNED", "PRUNED"], done.stdout[-3000:]
+    for trial in study.get_trials(deepcopy=False)[1:]:
+        assert list(trial.intermediate_values) == [1]
+        assert trial.user_attrs["budget_fraction"] == 0.25
+        assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
+        summary = json.loads((tmp_path / "out" / str(trial.number) / "summary.json").read_text())
+        assert summary["status"] == "PRUNED"
+
+
+def test_diverging_trial_fails_the_sweep_goes_on_and_mlflow_nests_trials(tmp_path):
+    pytest.importorskip("frontier.tracking", reason="frontier/tracking.py is not there yet")
+    from mlflow import MlflowClient
+
+    storage = str(tmp_path / "study.journal")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # grid: one sane trial, and one whose infinite learning rate turns the loss into NaN
+    done = run_sweep(tmp_path / "out", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none",
+                     "optim.matrix_lr=0.04,inf", "sweep.n_jobs=2", f"sweep.storage={storage}",
+                     "sweep.study_name=diverge", "tracking.enabled=true", f"tracking.uri={uri}",
+                     "tracking.experiment=sweep-test")
+    study = load(storage, "diverge")
+    sane, absurd = sorted(study.get_trials(deepcopy=False), key=lambda t: t.params["optim.matrix_lr"])
+    assert sane.state == TrialState.COMPLETE and absurd.state == TrialState.FAIL
+    assert absurd.user_attrs["fail_reason"].startswith("Diverged: diverged at step")
+    assert f"trial {absurd.number} FAIL after" in done.stdout
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("sweep-test")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert parents[0].data.metrics["trials_complete"] == 1 and parents[0].data.metrics["trials_fail"] == 1
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) == {f"trial-{sane.number}", f"trial-{absurd.number}"}
+    assert children[f"trial-{sane.number}"].info.status == "FINISHED"
+    assert children[f"trial-{absurd.number}"].info.status == "FAILED"
+    assert children[f"trial-{absurd.number}"].data.params["trial.number"] == str(absurd.number)
+
+
+# -----------------------------------------------------------------------------
+# Several workers, one study
+
+
+def run_two_workers(tmp_path: Path, storage: str, name: str, n_trials: int) -> None:
+    args = ["sweep=lr", "sweep.sampler=random", "sweep.pruner=none", f"sweep.n_trials={n_trials}",
+            "sweep.n_jobs=1", f"sweep.storage={storage}", f"sweep.study_name={name}"]
+    workers = [subprocess.Popen(sweep_command(tmp_path / f"worker{i}", *args), cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    for worker in workers:
+        output, _ = worker.communicate(timeout=600)
+        assert worker.returncode == 0, output[-3000:]
+
+
+def check_shared(tmp_path: Path, study: optuna.Study, n_trials: int) -> None:
+    trials = study.get_trials(deepcopy=False)
+    assert sorted(t.number for t in trials) == list(range(n_trials))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    dirs = [p.name for i in range(2) for p in (tmp_path / f"worker{i}").iterdir() if p.name.isdigit()]
+    assert sorted(dirs) == [str(n) for n in range(n_trials)]  # each trial ran once, in one worker
+
+
+def test_two_workers_share_a_journal_file(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    run_two_workers(tmp_path, storage, "shared", 3)
+    check_shared(tmp_path, load(storage, "shared"), 3)
+
+
+def test_two_workers_share_a_postgresql_study(tmp_path):
+    try:
+        storage = open_storage(POSTGRES)
+    except Exception as err:
+        print(f"skipped: no PostgreSQL answers at {POSTGRES} ({type(err).__name__})")
+        pytest.skip(f"no PostgreSQL server at {POSTGRES}")
+    name = f"test-sweep-{uuid.uuid4().hex[:8]}"
+    try:
+        run_two_workers(tmp_path, POSTGRES, name, 2)
+        check_shared(tmp_path, optuna.load_study(study_name=name, storage=storage), 2)
+    finally:
+        optuna.delete_study(study_name=name, storage=storage)
+
+
+# -----------------------------------------------------------------------------
+# Without a preset: Hydra's grid
+
+
+def test_plain_multirun_grid_still_works(tmp_path):
+    done = run_sweep(tmp_path / "out", "optim=muon,adamw")
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / "out" / job / "summary.json").read_text())
+        assert summary["status"] == "FINISHED"
+    names = [(tmp_path / "out" / job / ".hydra" / "overrides.yaml").read_text() for job in ("0", "1")]
+    assert "optim=muon" in names[0] and "optim=adamw" in names[1], done.stdout
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one sentence, before any trial starts
+
+
+@pytest.fixture()
+def compose_sweep():
+    """Builds the sweeper's Sweep from composed config, which validates everything up front."""
+    from hydra_plugins.frontier_sweeper._study import Sweep
+
+    def build(*overrides: str, params: dict | None = None):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*TINY, *overrides], return_hydra_config=True)
+            if params is not None:
+                cfg.sweep.params = params
+            return Sweep(cfg, list(overrides), GlobalHydra.instance().config_loader())
+
+    yield build
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("overrides, params, message", [
+    (["sweep=lr"], {"optim.matrix_lr": "interval(0.1"},
+     "sweep.params.optim.matrix_lr='interval(0.1' is not a valid search-space expression"),
+    (["sweep=lr"], {"optim.matrix_lr": "tag(log, interval(0, 1))"}, "is not a valid search space"),
+    (["sweep=lr"], {"optim.matrix_lrr": "interval(0.1, 0.2)"}, "do not compose"),
+    (["sweep=lr", "sweep.sampler=bayes"], None,
+     "sweep.sampler='bayes' is not allowed: choose one of tpe, random, grid, cmaes, gp"),
+    (["sweep=lr", "sweep.pruner=asha"], None, "sweep.pruner='asha' is not allowed"),
+    (["sweep=lr", "sweep.sampler=grid"], None, "is not allowed with sweep.sampler='grid'"),
+    (["sweep=lr", "sweep.n_jobs=4096"], None, "sweep.n_jobs=4096 is not allowed"),
+    (["sweep=lr", "sweep.storage=postgresql://nobody@127.0.0.1:1/none"], None,
+     "sweep.storage='postgresql://nobody@127.0.0.1:1/none' is not reachable"),
+    (["sweep=lr", "eval.every_fraction=0"], None, "sweep.pruner='hyperband' is not allowed with eval.every_fraction=0"),
+])
+def test_bad_input_is_one_clear_error(compose_sweep, overrides, params, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_sweep(*overrides, params=params)
+
+
+@pytest.mark.parametrize("preset", sorted(path.stem for path in (ROOT / "sweeps").glob("*.yaml")))
+def test_every_preset_is_ready_to_run(compose_sweep, preset, tmp_path):
+    sweep = compose_sweep(f"sweep={preset}", f"sweep.storage={tmp_path / 'study.journal'}")
+    assert sweep.study.study_name == preset
+    assert preset == "custom" or sweep.space
+
+
+def test_bad_input_on_the_command_line_starts_no_trial(tmp_path):
+    done = run_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=bayes", ok=False)
+    assert done.returncode != 0
+    assert "sweep.sampler='bayes' is not allowed" in done.stdout
+    assert not any(p.name.isdigit() for p in (tmp_path / "out").glob("*"))
+
+
+# -----------------------------------------------------------------------------
+# Heartbeats
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
+    storage = open_storage(str(tmp_path / "study.journal"), heartbeat_interval=1, grace_period=5)
+    study = optuna.create_study(study_name="stale", storage=storage)
+    dead, alive = study.ask(), study.ask()
+    storage.set_trial_system_attr(dead._trial_id, "heartbeat", time.time() - 60)
+    storage.record_heartbeat(alive._trial_id)
+    assert fail_stale_trials(study) == [dead.number]
+    dead_trial, alive_trial = study.get_trials(deepcopy=False)
+    assert dead_trial.state == TrialState.FAIL and dead_trial.user_attrs["fail_reason"] == STALE_REASON
+    assert alive_trial.state == TrialState.RUNNING
