@@ -382,6 +382,9 @@ USER_ERRORS = (ConfigError, DataError, CoreBundleError, FileNotFoundError)
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
+    if cfg.get("sweep") is not None and hydra_cfg.mode != RunMode.MULTIRUN:
+        print(f"warning: sweep={cfg.sweep.name} needs --multirun; training one run with the base config",
+              file=sys.stderr)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
