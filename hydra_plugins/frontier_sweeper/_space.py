@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -24,7 +25,10 @@ ALLOWED = "use choice(...), range(...), interval(...) or tag(log, interval(...))
 def distribution(override: Override) -> BaseDistribution:
     value = override.value()
     if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
-        return CategoricalDistribution(list(override.sweep_iterator()))
+        with warnings.catch_warnings():
+            # List choices (e.g. model.value_embed_layers) are JSON, which every Optuna storage keeps.
+            warnings.filterwarnings("ignore", message="Choices for a categorical distribution")
+            return CategoricalDistribution(list(override.sweep_iterator()))
     if override.is_range_sweep():
         values = list(override.sweep_iterator())
         if all(isinstance(v, int) for v in values):
