@@ -5,6 +5,10 @@ fractions) -> final val_bpb -> checkpoint and summary. Returns val_bpb for a swe
 """
 from __future__ import annotations
 
+import time
+
+LAUNCHED = time.perf_counter()  # before the heavy imports: startup is measured from here
+
 import json
 import math
 import os
@@ -12,7 +16,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +181,8 @@ def loop(run: Run, display: RunDisplay) -> None:
     next_log = next_mark(clock.progress, log_every) if clock.steps else 0.0
     next_eval, next_save = next_mark(clock.progress, eval_every), next_mark(clock.progress, save_every)
     loss_sum, loss_count, log_start = torch.zeros(()), 0, clock.charged
+    loop_start = time.perf_counter()
+    run.summary["startup_seconds"] = loop_start - LAUNCHED  # launch to the first step
     while not clock.done:
         with clock.step():
             loss = train_step(run)
@@ -224,6 +229,7 @@ def loop(run: Run, display: RunDisplay) -> None:
         if progress >= next_save - 1e-9 and run.world.is_main:
             save_resume(run)
             next_save = next_mark(progress, save_every)
+    run.summary["loop_wall_seconds"] = time.perf_counter() - loop_start
 
 
 def save_resume(run: Run) -> None:
@@ -296,6 +302,8 @@ def finish(run: Run, status: str) -> float:
         "excluded_seconds": clock.excluded,
         "budget_utilization": clock.charged / cfg.budget.seconds,
     })
+    if summary.get("loop_wall_seconds"):  # how much of the loop's wall time went into training steps
+        summary["step_time_fraction"] = (clock.charged + clock.excluded) / summary["loop_wall_seconds"]
     if run.world.is_main:
         if status == "FINISHED":
             save_final(run.run_dir / "final.pt", run.model, OmegaConf.to_container(run.raw, resolve=True),

@@ -1,0 +1,28 @@
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
+         "bench.warmup=1", "bench.steps=1", f"bench.output={out}", "train.batch_tokens=512",
+         "train.device_batch_rows=2", "data.vocab_size=1024"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "training step throughput" in result.stdout and "ops, forward + backward" in result.stdout
+    (row,) = json.loads(out.read_text())
+    assert {"model", "kernel", "tokens_per_second", "mfu_nominal", "mfu_measured",
+            "matmul_bf16_flops", "matmul_fp32_flops"} <= row.keys()
+    assert row["model"] == "tiny" and row["kernel"] == "reference" and row["tokens_per_second"] > 0
+    assert row["mfu_nominal"] is None  # a CPU has no published peak; MFU is against the measured rate
+    assert 0 < row["mfu_measured"] < 1
+
+
+def test_bench_rejects_an_unknown_key():
+    result = subprocess.run([sys.executable, "-m", "frontier.bench", "bench.model=tiny"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Key 'model' not in 'BenchConfig'" in result.stderr
