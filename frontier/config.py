@@ -163,13 +163,39 @@ class ScheduleConfig:
                      f"warmup_fraction + warmdown_fraction must be <= 1 (is {total:g})")
 
 
+KERNEL_OPS = ("attention", "rmsnorm", "relu2", "leaky_relu2", "gelu", "swiglu", "rotary", "head_loss")
+
+
 @dataclass
 class KernelConfig:
-    name: str = "reference"  # reference: eager PyTorch; compiled: torch.compile of the model
-    compile_mode: Optional[str] = None  # passed to torch.compile (e.g. max-autotune)
+    """Which implementation of each op (kernels/) the model runs. `name` is the preset: reference
+    (eager PyTorch), compiled (the same ops, the model wrapped in torch.compile), triton or nki (that
+    backend for every op it implements, the reference for the rest). An op key overrides the preset
+    for that op: kernel.rmsnorm=nki. Whether this machine can run the choice is checked when the
+    model's ops are built, before any data is read."""
+
+    name: str = "reference"  # reference | compiled | triton | nki
+    compile_mode: Optional[str] = None  # compiled: passed to torch.compile (e.g. max-autotune)
+    # per op: reference | triton | nki, or null for the preset's choice
+    attention: Optional[str] = None
+    rmsnorm: Optional[str] = None
+    relu2: Optional[str] = None
+    leaky_relu2: Optional[str] = None
+    gelu: Optional[str] = None
+    swiglu: Optional[str] = None
+    rotary: Optional[str] = None
+    head_loss: Optional[str] = None  # unembedding + cross-entropy, chunked over rows
 
     def __post_init__(self) -> None:
-        _choice("kernel.name", self.name, ("reference", "compiled"))
+        _choice("kernel.name", self.name, ("reference", "compiled", "triton", "nki"))
+        for op in KERNEL_OPS:
+            backend = getattr(self, op)
+            if backend is not None:
+                _choice(f"kernel.{op}", backend, ("reference", "triton", "nki"))
+
+    def overrides(self) -> dict[str, str]:
+        """The ops whose backend this config names explicitly."""
+        return {op: getattr(self, op) for op in KERNEL_OPS if getattr(self, op) is not None}
 
 
 @dataclass
@@ -305,7 +331,8 @@ class SweepConfig:
     storage: Optional[str] = None  # RDB URL (postgresql://...) or a journal file; default mlruns/sweeps/<study>.journal
     n_trials: Optional[int] = 20  # trials in the study in total, across re-runs and machines (grid: null = all)
     timeout: Optional[float] = None  # seconds after which this command starts no new trial
-    n_jobs: int = 1  # trials at once on this machine, each on its own device
+    n_jobs: int = 1  # trials at once on this machine, each on its own device(s)
+    devices_per_trial: int = 1  # > 1: each trial is a torchrun job over that many devices (or CPU processes)
     max_failures: int = 10  # this command starts no new trial once more trials than this have failed
     sampler: str = "tpe"  # tpe | random | grid | cmaes | gp
     seed: Optional[int] = 0
@@ -324,6 +351,8 @@ class SweepConfig:
         _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,
                  "positive seconds or null")
         _require(self.n_jobs >= 1, "sweep.n_jobs", self.n_jobs, "must be a positive integer")
+        _require(self.devices_per_trial >= 1, "sweep.devices_per_trial", self.devices_per_trial,
+                 "must be a positive integer")
         _require(self.max_failures >= 0, "sweep.max_failures", self.max_failures, "must be >= 0")
         _require(self.n_startup_trials >= 0, "sweep.n_startup_trials", self.n_startup_trials, "must be >= 0")
         _require(self.min_resource >= 1, "sweep.min_resource", self.min_resource, "must be >= 1")

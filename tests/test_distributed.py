@@ -84,3 +84,14 @@ def test_a_rank_that_crashes_ends_the_job_instead_of_hanging(wiki, tmp_path):
     result = torchrun(2, [*FAST, "budget.max_steps=50", f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=300)
     assert result.returncode != 0
     assert "rank 1 lost its device" in result.stderr
+
+
+def test_a_sweep_trial_can_own_a_group_of_devices(wiki, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "frontier.train", "--multirun", "sweep=custom", "optim.matrix_lr=choice(0.04)",
+         "sweep.sampler=grid", "sweep.pruner=none", "sweep.devices_per_trial=2", f"sweep.study_name=group-{os.getpid()}",
+         f"sweep.storage={tmp_path / 'study.journal'}", *STEPS, f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["world_size"] == 2

@@ -210,3 +210,78 @@ def test_four_processes_racing_build_the_cache_once(tmp_path):
     assert len(lines) == 4
     assert sum(int(built) for built, _ in lines) == 1  # one process built it, three read it
     assert len({tokens for _, tokens in lines}) == 1
+
+
+@pytest.mark.slow
+def test_a_locked_mlflow_store_is_waited_for_and_the_run_recorded(wiki, tmp_path):
+    import sqlite3
+    import threading
+
+    from mlflow import MlflowClient
+
+    from frontier.tracking import ensure_store
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ensure_store(uri)
+    held = threading.Event()
+
+    def hold_the_lock():
+        connection = sqlite3.connect(tmp_path / "mlflow.db", isolation_level=None)
+        connection.execute("BEGIN EXCLUSIVE")  # another process writing a long transaction
+        held.set()
+        time.sleep(4)
+        connection.execute("COMMIT")
+        connection.close()
+
+    locker = threading.Thread(target=hold_the_lock)
+    locker.start()
+    held.wait()
+    raw = compose_config([*FAST, "budget.max_steps=3", "tracking.enabled=true", f"tracking.uri={uri}"])
+    train(raw, tmp_path / "run", QUIET)
+    locker.join()
+    run_id = json.loads((tmp_path / "run" / "summary.json").read_text())["mlflow_run_id"]
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and "val_bpb" in run.data.metrics
+
+
+def processes_with(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_the_orphan(wiki, tmp_path):
+    import optuna
+
+    study = f"killed-{os.getpid()}"
+    storage = tmp_path / "study.journal"
+    command = [sys.executable, "-m", "frontier.train", "--multirun", "sweep=custom",
+               "optim.matrix_lr=tag(log, interval(0.01, 0.05))", "sweep.sampler=random", "sweep.pruner=none",
+               "sweep.n_trials=3", f"sweep.study_name={study}", f"sweep.storage={storage}",
+               "sweep.heartbeat_interval=1", "sweep.grace_period=3", *FAST, "budget.max_steps=20",
+               "eval.every_fraction=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(tmp_path / "sweep" / "1" / "output.log", driver)  # trial 0 is done, trial 1 running
+    driver.kill()
+    for pid in processes_with(f"trial.study={study}"):  # the machine went down with its trials
+        os.kill(pid, signal.SIGKILL)
+    driver.wait()
+    time.sleep(4)  # past the grace period: trial 1's heartbeat is stale
+
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    loaded = optuna.load_study(study_name=study, storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(storage))))
+    states = [t.state for t in sorted(loaded.trials, key=lambda t: t.number)]
+    assert len(states) == 3
+    assert states[0] == optuna.trial.TrialState.COMPLETE  # kept as it was
+    assert states[1] == optuna.trial.TrialState.FAIL  # the orphan, marked by its missing heartbeat
+    assert states[2] == optuna.trial.TrialState.COMPLETE

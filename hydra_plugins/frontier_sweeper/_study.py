@@ -56,8 +56,9 @@ def _visible_ids(variable: str, count: int) -> list[str]:
     return ids
 
 
-def device_slots(device: str, n_jobs: int) -> list[Slot]:
-    """One slot per parallel trial: its own GPU or NeuronCore, or on CPU its share of the cores."""
+def device_slots(device: str, n_jobs: int, per_trial: int = 1) -> list[Slot]:
+    """One slot per parallel trial: its own `per_trial` GPUs or NeuronCores (a torchrun job when more
+    than one), or on CPU its share of the cores."""
     import torch
 
     from frontier.device import neuron_available
@@ -77,16 +78,19 @@ def device_slots(device: str, n_jobs: int) -> list[Slot]:
         variable, ids = "NEURON_RT_VISIBLE_CORES", _visible_ids("NEURON_RT_VISIBLE_CORES", count)
     else:
         ids = [str(i) for i in sorted(os.sched_getaffinity(0))]
-        if n_jobs > len(ids):
+        if n_jobs * per_trial > len(ids):
             raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} CPU "
-                              f"cores for parallel CPU trials, so at most {len(ids)}")
-        threads = str(len(ids) // n_jobs)  # each trial gets its share of the cores, none oversubscribed
+                              f"cores for parallel CPU trials of sweep.devices_per_trial={per_trial} "
+                              f"processes, so at most {len(ids) // per_trial}")
+        threads = str(len(ids) // (n_jobs * per_trial))  # each process its share of the cores
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         return [Slot(f"cpu ({threads} threads)", env) for _ in range(n_jobs)]
-    if n_jobs > len(ids):
+    if n_jobs * per_trial > len(ids):
         raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} {kind} "
-                          f"device(s) ({variable}={','.join(ids) or 'none'}), so at most {len(ids)}")
-    return [Slot(f"{kind} {variable}={ids[i]}", {variable: ids[i]}) for i in range(n_jobs)]
+                          f"device(s) ({variable}={','.join(ids) or 'none'}), so at most "
+                          f"{len(ids) // per_trial} trials of sweep.devices_per_trial={per_trial}")
+    groups = [",".join(ids[i * per_trial:(i + 1) * per_trial]) for i in range(n_jobs)]
+    return [Slot(f"{kind} {variable}={group}", {variable: group}) for group in groups]
 
 
 class GridSampler(optuna.samplers.GridSampler):
@@ -139,10 +143,15 @@ def pruner_settings(sweep: SweepConfig, every_fraction: float) -> dict:
             "reduction_factor": sweep.reduction_factor}
 
 
-def trainer_command() -> list[str]:
-    """The command that started this sweep, for its trials: `python -m frontier.train`."""
+def trainer_command(per_trial: int = 1) -> list[str]:
+    """The command that started this sweep, for its trials: `python -m frontier.train`, under
+    torchrun when a trial owns several devices."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    return [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, sys.argv[0]]
+    program = ["-m", spec.name] if spec is not None else [sys.argv[0]]
+    if per_trial > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_trial}",
+                *program]
+    return [sys.executable, *program]
 
 
 def describe_exit(returncode: int, log_path: Path) -> str:
@@ -169,7 +178,7 @@ class Sweep:
         self.space, self.fixed = parse(self.sweep.params, arguments)
         self.study_name = self.sweep.study_name or self.sweep.name
         self.storage_spec = self.sweep.storage or default_storage(self.study_name)
-        self.slots = device_slots(config.device, self.sweep.n_jobs)
+        self.slots = device_slots(config.device, self.sweep.n_jobs, self.sweep.devices_per_trial)
         self.pruner = pruner_settings(self.sweep, config.eval.every_fraction)
         self.sampler = make_sampler(self.sweep, self.space)
         self.n_trials = self.sweep.n_trials
@@ -181,7 +190,7 @@ class Sweep:
         self.check_composes(config_loader)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.study = self.open_study()
-        self.command = trainer_command()
+        self.command = trainer_command(self.sweep.devices_per_trial)
         self.lock = threading.Lock()  # one ask or tell at a time in this process
         self.stopping = threading.Event()
         self.stop_reason = ""
