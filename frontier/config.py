@@ -379,6 +379,7 @@ class Config:
     sweep: Optional[SweepConfig] = None  # selected with sweep=NAME; read by the sweeper only
     device: str = "auto"  # auto | cpu | cuda | neuron (a specific index like cuda:1 also works)
     precision: str = "bf16"  # bf16: autocast where the device has it; fp32: full precision
+    neuron_logical_cores: Optional[int] = None  # Trainium2: 2 pairs the 8 NeuronCores into 4 (LNC=2); 1 = all 8
     seed: int = 1337
     compile_only: bool = False  # build and compile the model, run the excluded steps, then exit
     resume: Optional[str] = None  # a run directory (or MLflow run id) to continue from its resume.pt
@@ -387,6 +388,8 @@ class Config:
         _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",
                  self.device, "choose one of auto, cpu, cuda, cuda:N, neuron")
         _choice("precision", self.precision, ("bf16", "fp32"))
+        _require(self.neuron_logical_cores in (None, 1, 2), "neuron_logical_cores", self.neuron_logical_cores,
+                 "1 (8 logical cores per Trainium2 chip), 2 (4 logical cores) or null (the runtime's default)")
         rows_per_step, remainder = divmod(self.train.batch_tokens, self.model.seq_len)
         _require(remainder == 0, "train.batch_tokens", self.train.batch_tokens,
                  f"must be a multiple of model.seq_len={self.model.seq_len}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -56,8 +57,11 @@ class Device:
         return None
 
 
-def resolve_device(name: str, precision: str) -> Device:
+def resolve_device(name: str, precision: str, neuron_logical_cores: int | None = None) -> Device:
     """`auto` picks cuda, then neuron, then cpu; an explicit device must exist."""
+    if neuron_logical_cores is not None:
+        # Read by the Neuron runtime when it starts, so it must be set before the device is touched.
+        os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(neuron_logical_cores)
     kind = name.split(":")[0]
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"

@@ -88,7 +88,8 @@ def init_world(device_kind: str) -> World:
         raise ConfigError(f"the {backend!r} process-group backend for device={device_kind} is not available "
                           f"in torch {torch.__version__}")
     local_rank = int(os.environ["LOCAL_RANK"])
-    device = f"cuda:{local_rank}" if device_kind == "cuda" else device_kind
+    # One device per rank: the GPU or (logical) NeuronCore of this local rank.
+    device = f"{device_kind}:{local_rank}" if device_kind in ("cuda", "neuron") else device_kind
     world = World(int(os.environ["RANK"]), size, local_rank, device)
     if device_kind == "cuda":
         torch.cuda.set_device(local_rank)
