@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -110,3 +112,45 @@ def test_a_shard_without_a_text_column_names_the_file(tmp_path):
     train, _ = resolve_splits(cfg)
     with pytest.raises(DataError, match=r"shard_00000.parquet has no 'text' column \(columns: body\)"):
         load_tokenizer(cfg, train)
+
+
+def test_hub_data_downloads_the_train_shards_and_the_last_as_validation(tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    served = write_shards(tmp_path / "hub", 10, shards=3)
+    asked = []
+
+    def fake_download(repo_id, filename, repo_type, local_dir):  # the hub, without a network
+        asked.append((repo_id, filename, repo_type))
+        source = served / ("shard_00002.parquet" if filename == "shard_06542.parquet" else filename)
+        target = Path(local_dir) / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, target)
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    cfg = DataConfig(name="climbmix", source="hub", hub_repo="karpathy/climbmix-400b-shuffle",
+                     hub_last_shard=6542, train_shards=2, cache_dir=str(tmp_path / "cache"))
+    train, val = resolve_splits(cfg)
+    assert [name for _, name, _ in asked] == ["shard_00000.parquet", "shard_00001.parquet", "shard_06542.parquet"]
+    assert {repo for repo, _, kind in asked} == {"karpathy/climbmix-400b-shuffle"} and asked[0][2] == "dataset"
+    assert [f.name for f in val.files] == ["shard_06542.parquet"] and len(train.files) == 2
+    asked.clear()
+    resolve_splits(cfg)  # already on disk: nothing is fetched again
+    assert asked == []
+
+
+def test_a_failed_download_names_the_shard_and_the_repo(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    cfg = DataConfig(name="fineweb_edu", source="hub", hub_repo="karpathy/fineweb-edu-100b-shuffle",
+                     hub_last_shard=1822, train_shards=1, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match="could not download shard_00000.parquet of "
+                                        "data.hub_repo='karpathy/fineweb-edu-100b-shuffle': network unreachable"):
+        resolve_splits(cfg)

@@ -95,3 +95,9 @@ def test_a_sweep_trial_can_own_a_group_of_devices(wiki, tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["world_size"] == 2
+
+
+def test_a_missing_rendezvous_variable_is_a_clear_error(wiki):
+    result = run_cli([*FAST, "budget.max_steps=1"], env={"WORLD_SIZE": "2"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "WORLD_SIZE=2 but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: launch with torchrun" in result.stderr
