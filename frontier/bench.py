@@ -68,7 +68,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     """The trainer's train_step on random tokens: tokens per second after the warm-up steps."""
     from frontier.budget import BudgetClock
     from frontier.distributed import World
-    from frontier.model import GPT, Ops
+    from frontier.model import build
     from frontier.optim import build_optimizers
     from frontier.train import Run, train_step
 
@@ -76,11 +76,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     device = resolve_device(config.device, config.precision)
     torch.manual_seed(config.seed)
     vocab = config.data.vocab_size
-    model = GPT(config.model, vocab, Ops("reference")).to(device.torch_device)
-    step_model = model
-    if config.kernel.name == "compiled":
-        backend = "neuron" if device.kind == "neuron" else "inductor"
-        step_model = torch.compile(model, backend=backend, mode=config.kernel.compile_mode, dynamic=False)
+    model, step_model = build(config, vocab, device)
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind)
     loader = RandomRows(config.train.batch_tokens // config.model.seq_len, config.model.seq_len, vocab)
     run = Run(config, raw, Path("."), device, model, step_model, None, loader, None, optimizers,
@@ -98,7 +94,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
             "batch_tokens": config.train.batch_tokens, "device": device, "nominal_peak": device.nominal_peak_flops()}
 
 
-def op_inputs(op: str, rows: int, seq: int, d_model: int, n_head: int, device: torch.device):
+def op_inputs(op: str, rows: int, seq: int, d_model: int, n_head: int, vocab: int, device: torch.device):
     """Representative inputs for one op at the model's shapes (None: no benchmark for it)."""
     head = d_model // n_head
 
@@ -114,6 +110,8 @@ def op_inputs(op: str, rows: int, seq: int, d_model: int, n_head: int, device: t
         return leaf(rows, n_head, seq, head), angles.cos(), angles.sin()
     if op == "attention":
         return leaf(rows, n_head, seq, head), leaf(rows, n_head, seq, head), leaf(rows, n_head, seq, head)
+    if op == "head_loss":
+        return leaf(rows, seq, d_model), leaf(vocab, d_model), torch.randint(0, vocab, (rows, seq), device=device), 15.0
     return None
 
 
@@ -137,11 +135,16 @@ def time_ops(raw) -> list[dict]:
     head_count = config.model.n_head
     results = []
     for op in kernels.OPS:
-        inputs = op_inputs(op, rows, config.model.seq_len, config.model.d_model, head_count, device.torch_device)
+        inputs = op_inputs(op, rows, config.model.seq_len, config.model.d_model, head_count,
+                           config.data.vocab_size, device.torch_device)
         if inputs is None:
             continue
         reference = time_op(kernels.get(op, "reference"), inputs)
         for backend in kernels.backends(op):
+            reason = kernels.unavailable(backend, device.kind)
+            if reason is not None:
+                results.append({"op": op, "backend": backend, "error": reason})
+                continue
             try:
                 seconds = reference if backend == "reference" else time_op(kernels.get(op, backend), inputs)
             except Exception as err:  # a backend this machine cannot run: say why, keep going

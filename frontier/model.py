@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from frontier.config import ModelConfig
+from frontier.config import ConfigError, KernelConfig, ModelConfig
 
 VE_GATE_CHANNELS = 32  # the value-embedding gate reads this many leading channels of the block input
 X0_SCALAR_INIT = 0.1  # a little of the embedding is mixed back in before every block from the start
@@ -23,16 +23,25 @@ RESID_SCALAR_LR_SCALE = 0.01  # residual scalars learn 100x slower than x0 scala
 
 
 class Ops:
-    """The kernels one model is built from (see kernels/)."""
+    """The kernels one model is built from (see kernels/): one attribute per op in kernels.OPS.
 
-    def __init__(self, backend: str = "reference"):
-        self.rmsnorm = kernels.get("rmsnorm", backend)
-        self.relu2 = kernels.get("relu2", backend)
-        self.leaky_relu2 = kernels.get("leaky_relu2", backend)
-        self.gelu = kernels.get("gelu", backend)
-        self.swiglu = kernels.get("swiglu", backend)
-        self.rotary = kernels.get("rotary", backend)
-        self.attention = kernels.get("attention", backend)
+    `kernel` is a KernelConfig or a preset name. Given the device kind (cpu | cuda | neuron), a
+    backend this machine cannot run is a ConfigError saying what is missing, raised before any
+    kernel is imported."""
+
+    def __init__(self, kernel: KernelConfig | str = "reference", device: str | None = None):
+        preset, overrides = (kernel, {}) if isinstance(kernel, str) else (kernel.name, kernel.overrides())
+        try:
+            self.backends = kernels.choose(preset, overrides)
+            for backend in sorted(set(self.backends.values())):
+                reason = None if device is None else kernels.unavailable(backend, device)
+                if reason is not None:
+                    ops = ", ".join(op for op, b in self.backends.items() if b == backend)
+                    raise ConfigError(f"the {backend} kernels ({ops}) cannot run here: {reason}")
+        except kernels.KernelError as err:
+            raise ConfigError(str(err)) from None
+        for op, backend in self.backends.items():
+            setattr(self, op, kernels.get(op, backend))
 
 
 # -- what the config implies, shared by the modules, the cost model and the model card ------------
@@ -223,17 +232,20 @@ class GPT(nn.Module):
         """Logits (B, T, V) in fp32 for token t+1, or with `targets` the cross-entropy (targets of
         -1 ignored). In training mode the loss adds each extra head's weighted loss."""
         x = self.trunk(idx)
-        logits = self.unembed(x)
         if targets is None:
-            return logits
-        loss = _cross_entropy(logits, targets, reduction)
+            return self.unembed(x)
+        loss = self.head_loss(x, targets, reduction)
         if self.training and self.config.mtp_heads:
             T = targets.size(1)
-            for k, (head_logits, weight) in enumerate(zip(self.mtp_logits(x), self.config.mtp_weights), 1):
+            for k, (adapter, weight) in enumerate(zip(self.mtp, self.config.mtp_weights), 1):
                 if k < T:  # targets are next tokens, so head k's targets are them shifted k further
                     shifted = F.pad(targets[:, k:], (0, k), value=-1)
-                    loss = loss + weight * _cross_entropy(head_logits, shifted, reduction)
+                    loss = loss + weight * self.head_loss(x + adapter(self.ops.rmsnorm(x)), shifted, reduction)
         return loss
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy of unembed(x) against targets (-1 ignored), without holding every logit at once."""
+        return self.ops.head_loss(self.ops.rmsnorm(x), self.lm_head.weight, targets, self.config.softcap, reduction)
 
     # -- size and cost --------------------------------------------------------------------------
 
@@ -270,7 +282,11 @@ class GPT(nn.Module):
         return groups
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=-1, reduction=reduction)
-    return loss if reduction != "none" else loss.view_as(targets)
+def build(config, vocab_size: int, device, ops: Ops | None = None) -> tuple[GPT, nn.Module]:
+    """The configured model on its device, and the module a training step calls: compiled with
+    kernel=compiled (backend "neuron" on Trainium, inductor elsewhere), else the model itself."""
+    model = GPT(config.model, vocab_size, ops or Ops(config.kernel, device.kind)).to(device.torch_device)
+    if config.kernel.name != "compiled":
+        return model, model
+    backend = "neuron" if device.kind == "neuron" else "inductor"
+    return model, torch.compile(model, backend=backend, mode=config.kernel.compile_mode, dynamic=False)

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from frontier.config import PROJECT_ROOT, Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, measure_matmul_flops, resolve_device
-from frontier.model import GPT, Ops, head_size, kv_heads, layer_windows, value_embed_layers
+from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
 from frontier.optim import build_optimizers
 
 
@@ -56,11 +56,7 @@ def measure_tokens_per_second(config: Config, vocab: int, device: Device, rows: 
     tokens per second of a full training step (accumulation included) and how it was measured."""
     torch.manual_seed(config.seed)
     seq = config.model.seq_len
-    model = GPT(config.model, vocab, Ops("reference")).to(device.torch_device)
-    step_model = model
-    if config.kernel.name == "compiled":
-        backend = "neuron" if device.kind == "neuron" else "inductor"
-        step_model = torch.compile(model, backend=backend, mode=config.kernel.compile_mode, dynamic=False)
+    model, step_model = build(config, vocab, device)
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind)
     idx = torch.randint(0, vocab, (rows, seq + 1), device=device.torch_device)
 

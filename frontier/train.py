@@ -34,7 +34,7 @@ from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, 
 from frontier.distributed import World, init_world
 from frontier.device import Device, measure_matmul_flops, resolve_device
 from frontier.evaluate import val_bpb
-from frontier.model import GPT, Ops
+from frontier.model import GPT, Ops, build as build_model
 from frontier.optim import apply_schedule, build_optimizers
 from frontier.progress import RunDisplay
 from frontier.schedule import lr_multiplier, muon_momentum
@@ -69,9 +69,9 @@ class Run:
 
 def setup(raw: DictConfig, run_dir: Path) -> Run:
     config = to_config(raw)  # every range check, before any data is touched
-    device = resolve_device(config.device, config.precision)
+    device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
     world = init_world(device.kind)
-    if world.active and device.kind == "cuda":
+    if world.active and device.kind in ("cuda", "neuron"):
         device.torch_device = torch.device(world.device)
     rows_per_step = config.train.batch_tokens // config.model.seq_len
     if rows_per_step % world.size:
@@ -80,6 +80,7 @@ def setup(raw: DictConfig, run_dir: Path) -> Run:
     if config.eval.core and not (Path(config.eval.core_bundle) / "core.yaml").is_file():
         raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
                           "eval bundle (the offline copy is ../shared/data/core)")
+    ops = Ops(config.kernel, device.kind)  # a kernel this machine cannot run stops here, before any data is read
     torch.manual_seed(config.seed)
 
     train_split, val_split = resolve_splits(config.data)
@@ -99,11 +100,7 @@ def setup(raw: DictConfig, run_dir: Path) -> Run:
         "data_empty_files": [f for c in (train_corpus, val_corpus) for f in c.meta.get("empty_files", [])],
     }
 
-    model = GPT(config.model, tokenizer.vocab_size, Ops("reference")).to(device.torch_device)
-    step_model = model
-    if config.kernel.name == "compiled":
-        backend = "neuron" if device.kind == "neuron" else "inductor"
-        step_model = torch.compile(model, backend=backend, mode=config.kernel.compile_mode, dynamic=False)
+    model, step_model = build_model(config, tokenizer.vocab_size, device, ops)
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind, world.rank, world.size)
     # Every rank packs the same global batch and trains on its own slice of it.
     loader = PackedLoader(train_corpus, seq, rows=rows_per_step, seed=config.seed)

@@ -58,3 +58,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window is None or window >= T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_window_mask(T, window, q.device))
+
+
+def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
+              reduction: str = "mean") -> torch.Tensor:
+    """Unembedding + soft-capped fp32 logits + cross-entropy (targets of -1 ignored), all logits at
+    once: the definition. x is (..., d), weight (V, d), targets x's leading shape; reduction="none"
+    returns targets' shape. The registry's `reference` backend is the chunked form in head_loss.py."""
+    logits = F.linear(x, weight).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                           reduction=reduction)
+    return loss if reduction != "none" else loss.view_as(targets)

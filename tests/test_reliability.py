@@ -9,7 +9,6 @@ import time
 from multiprocessing import get_context
 
 import pytest
-import torch
 
 from frontier import data as data_module
 from frontier import observers

@@ -1,0 +1,180 @@
+"""The head + cross-entropy, chunked over rows so that the fp32 logits exist one chunk at a time.
+
+A scalar loss (reduction mean or sum) whose inputs need gradients takes the gradient while the
+chunk's logits are at hand: each chunk's logits become their own gradient in place, which goes
+straight into d x and d weight; backward only scales those by the incoming gradient. That is the
+same three head matmuls as the unchunked head, in cache-sized pieces. A per-token loss
+(reduction="none") cannot know its rows' weights before backward, so it keeps only each row's
+log-sum-exp and backward recomputes each chunk's logits (one more head matmul).
+
+Either way memory holds (chunk_rows x vocab) logits instead of (rows x vocab) twice over. The same
+Function serves every backend; only the per-chunk arithmetic is swapped: torch ops here, Triton
+kernels in triton_ops.py.
+
+Matches kernels.reference.head_loss (linear -> .float() -> softcap * tanh(z / softcap) ->
+cross-entropy, targets of -1 ignored), autocast included: the matmuls run in the dtype autocast
+would pick for the linear.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -1
+# fp32 logits per chunk: 16 MiB, 512 rows of an 8k vocabulary. Each chunk adds a whole (vocab x d)
+# product into d weight (in place), so far smaller chunks would make that update dominate.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_rows_for(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def torch_row_loss(z: torch.Tensor, targets: torch.Tensor,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and log-sum-exp of one chunk's raw fp32 logits z (n, V); ignored rows lose 0."""
+    logits = softcap * torch.tanh(z / softcap) if softcap is not None else z
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(targets != IGNORE, lse - picked, torch.zeros_like(lse)), lse
+
+
+def torch_row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                   softcap: float | None) -> torch.Tensor:
+    """d loss / d z for one chunk: (softmax - onehot(target)) * scale per row, through the soft-cap.
+    `scale` is each row's weight in the loss, 0 for ignored rows. Overwrites z."""
+    if softcap is not None:
+        t = z.div_(softcap).tanh_()
+        grad = (t * softcap).sub_(lse.unsqueeze(1)).exp_()
+    else:
+        t, grad = None, z.sub_(lse.unsqueeze(1)).exp_()
+    return _finish_grad(grad, t, targets, scale)
+
+
+def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_row_loss and torch_row_grad in one pass over the chunk (tanh once). Overwrites z."""
+    if softcap is not None:
+        t = z.div_(softcap).tanh_()
+        logits = t * softcap
+    else:
+        t, logits = None, z
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    loss = torch.where(targets != IGNORE, lse - picked, torch.zeros_like(lse))
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    return loss, lse, _finish_grad(grad, t, targets, scale)
+
+
+def _finish_grad(probs: torch.Tensor, t: torch.Tensor | None, targets: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+    # softmax - onehot; an ignored row (target -1) subtracts at column 0 and is then zeroed by scale
+    grad = probs.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -torch.ones_like(scale).unsqueeze(1))
+    grad.mul_(scale.unsqueeze(1))
+    if t is not None:
+        grad.mul_(t.square_().neg_().add_(1))  # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2
+    return grad
+
+
+def _accumulate(dw: torch.Tensor | None, g: torch.Tensor, xc: torch.Tensor) -> torch.Tensor:
+    """dw += g^T xc in fp32, in place: a fresh (vocab x d) sum per chunk would cost more than the matmul."""
+    if dw is None:
+        return (g.t() @ xc).float()
+    if g.dtype == torch.float32:
+        return dw.addmm_(g.t(), xc)
+    return dw.add_(g.t() @ xc)
+
+
+def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+def _row_scale(targets: torch.Tensor, reduction: str, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's weight in the loss (times the incoming gradient, if given); 0 for ignored rows."""
+    valid = targets != IGNORE
+    scale = valid.float()
+    if reduction == "mean":
+        scale = scale / valid.sum()
+    if grad is not None:
+        scale = scale * grad.float()
+    return scale
+
+
+def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callable) -> Callable:
+    """A chunked head_loss op from per-chunk functions with the signatures of torch_row_loss,
+    torch_row_grad and torch_row_loss_grad."""
+
+    class HeadLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, targets, softcap, reduction, chunk_rows, grads_now):
+            dtype = _matmul_dtype(x, weight)  # read here: autocast is not active in backward
+            w = weight.to(dtype)
+            scale = _row_scale(targets, reduction) if grads_now else None
+            losses, lses, dxs, dw = [], [], [], None
+            with torch.autocast(x.device.type, enabled=False):
+                for start in range(0, x.size(0), chunk_rows):
+                    rows = slice(start, start + chunk_rows)
+                    xc = x[rows].to(dtype)
+                    z = F.linear(xc, w).float()
+                    if not grads_now:
+                        loss, lse = row_loss(z, targets[rows], softcap)
+                        lses.append(lse)
+                    else:
+                        loss, _, g = row_loss_grad(z, targets[rows], scale[rows], softcap)
+                        g = g.to(dtype)
+                        dxs.append((g @ w).to(x.dtype))
+                        dw = _accumulate(dw, g, xc)
+                    losses.append(loss)
+            losses = torch.cat(losses)
+            ctx.softcap, ctx.reduction, ctx.chunk_rows, ctx.dtype = softcap, reduction, chunk_rows, dtype
+            ctx.grads_now = grads_now
+            if grads_now:
+                ctx.save_for_backward(torch.cat(dxs), dw.to(weight.dtype))
+            else:
+                ctx.save_for_backward(x, weight, targets, torch.cat(lses))
+            if reduction == "none":
+                return losses
+            total = losses.sum()
+            return total if reduction == "sum" else total / (targets != IGNORE).sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.grads_now:
+                dx, dw = ctx.saved_tensors
+                return dx * grad.to(dx.dtype), dw * grad.to(dw.dtype), None, None, None, None, None
+            x, weight, targets, lse = ctx.saved_tensors
+            scale = _row_scale(targets, ctx.reduction, grad)
+            w = weight.to(ctx.dtype)
+            dxs, dw = [], None
+            with torch.autocast(x.device.type, enabled=False):
+                for start in range(0, x.size(0), ctx.chunk_rows):
+                    rows = slice(start, start + ctx.chunk_rows)
+                    xc = x[rows].to(ctx.dtype)
+                    g = row_grad(F.linear(xc, w).float(), targets[rows], lse[rows], scale[rows], ctx.softcap)
+                    g = g.to(ctx.dtype)
+                    if ctx.needs_input_grad[0]:
+                        dxs.append((g @ w).to(x.dtype))
+                    if ctx.needs_input_grad[1]:
+                        dw = _accumulate(dw, g, xc)
+            dx = torch.cat(dxs) if dxs else None
+            return dx, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
+
+    def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
+                  reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction={reduction!r}: choose mean, sum or none")
+        grads_now = (reduction != "none" and torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad))
+        loss = HeadLoss.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), softcap, reduction,
+                              chunk_rows or chunk_rows_for(weight.size(0)), grads_now)
+        return loss.view_as(targets) if reduction == "none" else loss
+
+    return head_loss
+
+
+head_loss = make_head_loss(torch_row_loss, torch_row_grad, torch_row_loss_grad)

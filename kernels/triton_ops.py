@@ -1,0 +1,158 @@
+"""Triton kernels for CUDA: RMSNorm and the cross-entropy half of the chunked head loss, forward and
+backward. Under TRITON_INTERPRET=1 (set before this module is imported) they run on CPU tensors,
+which is how the tests check them against the references without a GPU.
+
+The head loss keeps the head matmuls in cuBLAS (kernels/head_loss.py chunks them); the kernels
+here replace the torch ops between them: one program per row walks its logits once for soft-cap,
+log-sum-exp and the target's logit, and once more to overwrite them with their gradient.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.head_loss import make_head_loss
+
+MAX_BLOCK = 4096  # columns one program holds at a time; wider rows are walked in blocks
+
+
+@triton.jit
+def _rms_norm_fwd(x_ptr, y_ptr, rstd_ptr, stride, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(y_ptr + row * stride + cols, (x * rstd).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(dy_ptr, x_ptr, rstd_ptr, dx_ptr, stride, D, BLOCK: tl.constexpr):
+    # y = x * r with r = (mean(x^2) + eps)^-1/2, so dx = r * dy - x * r^3 * mean(dy * x)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    dot = tl.sum(dy * x, axis=0) / D
+    dx = rstd * dy - x * (rstd * rstd * rstd * dot)
+    tl.store(dx_ptr + row * stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = x.reshape(-1, x.size(-1)).contiguous()
+        rows, D = x2.shape
+        block = triton.next_power_of_2(D)
+        if block > 65536:
+            raise ValueError(f"triton rms_norm holds a whole row in one block; {D} columns is too many")
+        y = torch.empty_like(x2)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rows:
+            # eps as F.rms_norm picks it when given none: the input dtype's machine epsilon
+            _rms_norm_fwd[(rows,)](x2, y, rstd, x2.stride(0), D, torch.finfo(x.dtype).eps, BLOCK=block)
+        ctx.save_for_backward(x2, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, rstd = ctx.saved_tensors
+        rows, D = x2.shape
+        dy2 = dy.reshape(rows, D).contiguous()
+        dx = torch.empty_like(x2)
+        if rows:
+            _rms_norm_bwd[(rows,)](dy2, x2, rstd, dx, x2.stride(0), D, BLOCK=triton.next_power_of_2(D))
+        return dx.view(dy.shape)
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.rms_norm as one Triton program per row."""
+    return _RMSNorm.apply(x)
+
+
+@triton.jit
+def _tanh(u):
+    return 2 * tl.sigmoid(2 * u) - 1
+
+
+@triton.jit
+def _cross_entropy(z_ptr, targets_ptr, loss_ptr, lse_ptr, scale_ptr, stride, V, softcap,
+                   HAS_CAP: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row of raw logits z. LOSS: the row's loss and log-sum-exp (online, in blocks:
+    # a running max m and the sum s of exp(logit - m)). GRAD: overwrite the row with
+    # d loss / d z = (softmax - onehot) * scale, through the cap (LOSS off: lse comes from lse_ptr).
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride
+    target = tl.load(targets_ptr + row)
+    if LOSS:
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                z = softcap * _tanh(z / softcap)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        valid = target >= 0  # -1 = ignored
+        picked = tl.load(z_row + tl.where(valid, target, 0)).to(tl.float32)
+        if HAS_CAP:
+            picked = softcap * _tanh(picked / softcap)
+        tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+        tl.store(lse_ptr + row, lse)
+    else:
+        lse = tl.load(lse_ptr + row)
+    if GRAD:
+        scale = tl.load(scale_ptr + row)  # 0 for ignored rows
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            onehot = tl.where(cols == target, 1.0, 0.0)
+            if HAS_CAP:
+                t = _tanh(z / softcap)
+                grad = (tl.exp(softcap * t - lse) - onehot) * scale * (1 - t * t)
+            else:
+                grad = (tl.exp(z - lse) - onehot) * scale
+            tl.store(z_row + cols, grad, mask=mask)
+
+
+def _launch_cross_entropy(z, targets, lse, scale, softcap, loss=None):
+    rows, V = z.shape
+    _cross_entropy[(rows,)](z, targets, loss if loss is not None else lse, lse,
+                            scale if scale is not None else lse, z.stride(0), V, softcap or 1.0,
+                            HAS_CAP=softcap is not None, LOSS=loss is not None, GRAD=scale is not None,
+                            BLOCK=min(MAX_BLOCK, triton.next_power_of_2(V)))
+
+
+def _row_loss(z: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = torch.empty(z.size(0), dtype=torch.float32, device=z.device)
+    lse = torch.empty_like(loss)
+    _launch_cross_entropy(z, targets, lse, None, softcap, loss)
+    return loss, lse
+
+
+def _row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+              softcap: float | None) -> torch.Tensor:
+    _launch_cross_entropy(z, targets, lse.contiguous(), scale.contiguous(), softcap)
+    return z
+
+
+def _row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss = torch.empty(z.size(0), dtype=torch.float32, device=z.device)
+    lse = torch.empty_like(loss)
+    _launch_cross_entropy(z, targets, lse, scale.contiguous(), softcap, loss)
+    return loss, lse, z
+
+
+# the chunked head + cross-entropy of kernels/head_loss.py with these kernels between its matmuls
+head_loss = make_head_loss(_row_loss, _row_grad, _row_loss_grad)
