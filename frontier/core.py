@@ -339,6 +339,47 @@ def score_sequences(model: torch.nn.Module, tokens: list[list[int]], starts: lis
     return mean_loss, all_right
 
 
+def shared_prefix(item: PreparedItem) -> int:
+    """How many leading tokens every option of the item shares before the first scored token's
+    predictor (which starts each option's suffix): 0 when the options cannot share a prefix, as
+    when left truncation cropped them differently or the options differ right after BOS."""
+    start = item.starts[0]
+    length = start - 1
+    if length < 1 or any(s != start for s in item.starts):
+        return 0
+    first = item.tokens[0][:length]
+    return length if all(t[:length] == first for t in item.tokens[1:]) else 0
+
+
+def can_reuse_prefix(model: torch.nn.Module) -> bool:
+    """Only the model's own attention computes a suffix against a cached prefix, so another
+    attention backend (or a stand-in model) scores full sequences."""
+    ops = getattr(model, "ops", None)
+    return hasattr(model, "forward_with_prefix") and getattr(ops, "backends", {}).get("attention") == "reference"
+
+
+@torch.no_grad()
+def score_with_prefix(model: torch.nn.Module, item: PreparedItem, prefix_len: int, *, pad_id: int,
+                      device: str | torch.device = "cpu") -> tuple[list[float], list[bool]]:
+    """score_sequences for one item's options, with their shared prefix computed once and every
+    option's suffix in one batch. A suffix starts with the last context token, whose logit
+    predicts the first scored token, so suffix logit j predicts suffix token j + 1."""
+    suffixes = [t[prefix_len:] for t in item.tokens]
+    width = max(len(t) for t in suffixes)
+    ids = torch.full((len(suffixes), width), pad_id, dtype=torch.long)
+    for r, t in enumerate(suffixes):
+        ids[r, :len(t)] = torch.tensor(t, dtype=torch.long)
+    prefix = torch.tensor([item.tokens[0][:prefix_len]], dtype=torch.long, device=device)
+    ids = ids.to(device)
+    logits = model.forward_with_prefix(prefix, ids).float()
+    mean_loss, all_right = [], []
+    for r, (s, e) in enumerate(zip(item.starts, item.ends)):
+        picked, targets = logits[r, :e - s], ids[r, 1:e - s + 1]
+        mean_loss.append(F.cross_entropy(picked, targets).item() if e > s else math.nan)
+        all_right.append(bool(torch.all(picked.argmax(dim=-1) == targets)))
+    return mean_loss, all_right
+
+
 def item_correct(task_type: str, item: PreparedItem, mean_loss: list[float], all_right: list[bool]) -> bool:
     """mean_loss / all_right are this item's values, one per sequence."""
     if task_type == "language_modeling":
@@ -348,20 +389,31 @@ def item_correct(task_type: str, item: PreparedItem, mean_loss: list[float], all
 
 
 def evaluate_task(model: torch.nn.Module, tokenizer, task: Task, *, max_per_task: int | None = None,
-                  device: str | torch.device = "cpu", max_seq_len: int, batch_size: int = 16) -> tuple[float, int]:
-    """(accuracy, number of items) of one task that is present in the bundle."""
+                  device: str | torch.device = "cpu", max_seq_len: int, batch_size: int = 16,
+                  reuse_prefix: bool = True) -> tuple[float, int]:
+    """(accuracy, number of items) of one task that is present in the bundle. With reuse_prefix,
+    a multiple-choice item's shared context is computed once for all its options (where the
+    model supports it); the other items are scored as full sequences in batches."""
     items = task_items(task.rows, max_per_task)
     prepared = prepare_task(task, items, tokenizer, max_seq_len)
-    tokens = [t for p in prepared for t in p.tokens]
-    starts = [s for p in prepared for s in p.starts]
-    ends = [e for p in prepared for e in p.ends]
+    reuse = reuse_prefix and task.task_type == "multiple_choice" and can_reuse_prefix(model)
+    prefix_lens = [shared_prefix(p) if reuse else 0 for p in prepared]
+    # every other item is scored as full sequences, batched across items
+    full = [p for p, n in zip(prepared, prefix_lens) if n == 0]
+    tokens = [t for p in full for t in p.tokens]
+    starts = [s for p in full for s in p.starts]
+    ends = [e for p in full for e in p.ends]
     mean_loss, all_right = score_sequences(model, tokens, starts, ends, pad_id=tokenizer.bos_id,
                                            device=device, batch_size=batch_size, max_seq_len=max_seq_len)
     correct, pos = 0, 0
-    for p in prepared:
-        n = len(p.tokens)
-        correct += item_correct(task.task_type, p, mean_loss[pos:pos + n], all_right[pos:pos + n])
-        pos += n
+    for p, prefix_len in zip(prepared, prefix_lens):
+        if prefix_len:
+            losses, rights = score_with_prefix(model, p, prefix_len, pad_id=tokenizer.bos_id, device=device)
+        else:
+            n = len(p.tokens)
+            losses, rights = mean_loss[pos:pos + n], all_right[pos:pos + n]
+            pos += n
+        correct += item_correct(task.task_type, p, losses, rights)
     return correct / len(prepared), len(prepared)
 
 
@@ -410,10 +462,10 @@ class CoreResult:
 
 def evaluate_core(model: torch.nn.Module, tokenizer, bundle_dir: str | Path, *, max_per_task: int | None = None,
                   device: str | torch.device = "cpu", max_seq_len: int, batch_size: int = 16,
-                  log: Callable[[str], None] | None = None) -> CoreResult:
+                  log: Callable[[str], None] | None = None, reuse_prefix: bool = True) -> CoreResult:
     """CORE over the tasks present in the bundle. The model runs in eval mode under no_grad (its
     mode is restored after); wrap the call in autocast for reduced-precision inference.
-    batch_size is the number of sequences (options) per forward."""
+    batch_size is the number of sequences (options) per forward; reuse_prefix: see evaluate_task."""
     tasks = load_bundle(bundle_dir)
     was_training = model.training
     model.eval()
@@ -428,7 +480,7 @@ def evaluate_core(model: torch.nn.Module, tokenizer, bundle_dir: str | Path, *, 
                 continue
             t0 = time.perf_counter()
             acc, n = evaluate_task(model, tokenizer, task, max_per_task=max_per_task, device=device,
-                                   max_seq_len=max_seq_len, batch_size=batch_size)
+                                   max_seq_len=max_seq_len, batch_size=batch_size, reuse_prefix=reuse_prefix)
             accuracy[task.label] = acc
             centered[task.label] = centered_accuracy(acc, task.random_baseline)
             n_items[task.label] = n

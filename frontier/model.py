@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import kernels
 from frontier.config import ConfigError, KernelConfig, ModelConfig
+from kernels.reference import cached_attention
 
 VE_GATE_CHANNELS = 32  # the value-embedding gate reads this many leading channels of the block input
 X0_SCALAR_INIT = 0.1  # a little of the embedding is mixed back in before every block from the start
@@ -85,8 +86,9 @@ class Attention(nn.Module):
                         if value_embed else None)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ve: torch.Tensor | None = None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            ve: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated, normalised queries (B, H, T, D) and keys and values (B, H_kv, T, D)."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -98,11 +100,32 @@ class Attention(nn.Module):
         q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
         if self.qk_norm:
             q, k = self.ops.rmsnorm(q), self.ops.rmsnorm(k)  # keeps attention logits bounded
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ve: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin, ve)
         if self.window is None:
             y = self.ops.attention(q, k, v)  # full causal: the fast is_causal path
         else:
             y = self.ops.attention(q, k, v, window=self.window)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_after(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ve: torch.Tensor | None,
+                      past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
+        """Attention for positions that follow the cached (k, v) of `past` (batch 1 or B, None when
+        they start the sequence), and the cache extended by them. Queries offset from their keys
+        take the reference op, whose explicit mask aligns them with the keys' end."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin, ve)
+        if past is None:
+            y = self.ops.attention(q, k, v, window=self.window)
+        else:
+            k = torch.cat((past[0].expand(B, -1, -1, -1), k), dim=2)
+            v = torch.cat((past[1].expand(B, -1, -1, -1), v), dim=2)
+            y = cached_attention(q, k, v, window=self.window)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -139,6 +162,12 @@ class Block(nn.Module):
                 ve: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm(x), cos, sin, ve)
         return x + self.mlp(self.norm(x))
+
+    def forward_after(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ve: torch.Tensor | None,
+                      past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
+        y, kv = self.attn.forward_after(self.norm(x), cos, sin, ve, past)
+        x = x + y
+        return x + self.mlp(self.norm(x)), kv
 
 
 class GPT(nn.Module):
@@ -216,6 +245,31 @@ class GPT(nn.Module):
             ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
             x = block(x, cos, sin, ve)
         return x
+
+    def trunk_after(self, idx: torch.Tensor, past: list[tuple] | None = None) -> tuple[torch.Tensor, list[tuple]]:
+        """trunk() for tokens that continue the sequence whose per-layer keys and values `past`
+        holds (None: they start it), and the per-layer cache extended by them."""
+        P = 0 if past is None else past[0][0].size(2)
+        T = idx.size(1)
+        if P + T > self.cos.size(0):
+            raise ValueError(f"sequence of {P + T} tokens is longer than model.seq_len={self.cos.size(0)}")
+        cos, sin = self.cos[P:P + T], self.sin[P:P + T]  # rotary positions continue after the cache
+        x = x0 = self.ops.rmsnorm(self.wte(idx))
+        cache = []
+        for i, block in enumerate(self.blocks):
+            if self.config.layer_scalars:
+                x = (1 + RESID_SCALAR_LR_SCALE * self.resid_scalars[i]) * x + self.x0_scalars[i] * x0
+            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            x, kv = block.forward_after(x, cos, sin, ve, None if past is None else past[i])
+            cache.append(kv)
+        return x, cache
+
+    def forward_with_prefix(self, prefix_idx: torch.Tensor, suffix_idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, S, V) of suffix_idx (B, S) following prefix_idx (1 or B, P), equal to
+        model(cat(prefix, suffix))[:, P:] but computing a shared prefix once for every row."""
+        _, past = self.trunk_after(prefix_idx)
+        x, _ = self.trunk_after(suffix_idx, past)
+        return self.unembed(x)
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.ops.rmsnorm(x)).float()

@@ -60,6 +60,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_window_mask(T, window, q.device))
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
+    """causal_attention for queries that are the last Tq of the Tk keys' positions (the earlier
+    keys come from a cache). SDPA's is_causal aligns the mask top-left, so a query block shorter
+    than the keys needs this explicit bottom-right mask: query i sits at position Tk - Tq + i."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    Tq, Tk = q.size(2), k.size(2)
+    offset = torch.arange(Tk - Tq, Tk, device=q.device)[:, None] - torch.arange(Tk, device=q.device)[None, :]
+    mask = offset >= 0
+    if window is not None:
+        mask &= offset < window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
               reduction: str = "mean") -> torch.Tensor:
     """Unembedding + soft-capped fp32 logits + cross-entropy (targets of -1 ignored), all logits at

@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from frontier.config import ModelConfig
 from frontier.core import (
     CoreBundleError,
     Task,
+    can_reuse_prefix,
     centered_accuracy,
     continuation_spans,
     core_score,
@@ -23,9 +25,12 @@ from frontier.core import (
     render_mc,
     render_schema,
     score_sequences,
+    score_with_prefix,
+    shared_prefix,
     task_items,
     truncate_left,
 )
+from frontier.model import GPT
 
 SHARED_CORE = Path(__file__).resolve().parents[2] / "shared/data/core"
 
@@ -97,6 +102,15 @@ class TinyCausalLM(torch.nn.Module):
         x = self.emb(idx)
         running = x.cumsum(1) / torch.arange(1, idx.shape[1] + 1)[None, :, None]
         return self.head(torch.tanh(x + 3 * running))
+
+
+def tiny_gpt(seq_len: int = 128) -> GPT:
+    """A random GPT with windowed layers, value embeddings and GQA, so that prefix reuse meets every knob."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=2, d_model=32, n_head=4, n_kv_head=2, seq_len=seq_len, window_pattern="SL",
+                      short_window=0.125, value_embed_layers=[0], layer_scalars=True, head_std=1.0,
+                      zero_init_proj=False)
+    return GPT(cfg, vocab_size=V).eval()
 
 
 def make_task(task_type: str, rows: list[dict], shots: int = 0, delimiter: str = " ") -> Task:
@@ -299,6 +313,47 @@ def test_batched_scoring_matches_per_item_reference():
                 pos += n
 
 
+def test_prefix_reuse_scores_like_full_sequences():
+    rng = random.Random(1)
+    words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
+    rows = [{"query": "Q: " + " ".join(rng.choices(words, k=rng.randint(3, 8))),
+             "choices": [" ".join(rng.choices(words, k=rng.randint(1, 3))) for _ in range(4)], "gold": 0}
+            for _ in range(6)]
+    rows.append({"query": "Q: sun", "choices": ["moon", "moon tree"], "gold": 0})  # an empty span: nan
+    task = make_task("multiple_choice", rows, shots=2)
+    model = tiny_gpt(seq_len=512)
+    for max_seq_len in (512, 60):  # at 60 some items are truncated and keep the full path
+        prepared = prepare_task(task, task_items(rows), TOK, max_seq_len)
+        reused = 0
+        for p in prepared:
+            prefix_len = shared_prefix(p)
+            if prefix_len == 0:
+                continue
+            reused += 1
+            assert prefix_len == p.starts[0] - 1
+            got_loss, got_right = score_with_prefix(model, p, prefix_len, pad_id=TOK.bos_id)
+            want_loss, want_right = score_sequences(model, p.tokens, p.starts, p.ends, pad_id=TOK.bos_id)
+            assert got_loss == pytest.approx(want_loss, abs=1e-4, nan_ok=True)
+            assert got_right == want_right
+        assert reused == len(prepared) if max_seq_len == 512 else reused < len(prepared)
+        assert (evaluate_task(model, TOK, task, max_seq_len=max_seq_len)
+                == evaluate_task(model, TOK, task, max_seq_len=max_seq_len, reuse_prefix=False))
+
+
+def test_prefix_reuse_needs_a_shared_untruncated_prefix():
+    item = prepare_task(make_task("multiple_choice", []), [{"query": "ab", "choices": ["c", "dd"], "gold": 0}],
+                        TOK, 64)[0]
+    assert shared_prefix(item) == 3  # BOS a b, then the space that starts each suffix
+    truncated = truncate_left(item.tokens, item.starts, item.ends, max_seq_len=4)
+    assert shared_prefix(type(item)(*truncated, gold=0)) == 0  # cropped differently: no common prefix
+    assert shared_prefix(type(item)([[TOK.bos_id, 1], [TOK.bos_id, 2]], [1, 1], [2, 2], 0)) == 0
+    # only a GPT on the reference attention computes suffixes against a cached prefix
+    gpt = tiny_gpt()
+    assert can_reuse_prefix(gpt) and not can_reuse_prefix(TinyCausalLM())
+    gpt.ops.backends = {**gpt.ops.backends, "attention": "triton"}
+    assert not can_reuse_prefix(gpt)
+
+
 # -----------------------------------------------------------------------------
 # Centering and the CORE mean
 
@@ -359,6 +414,11 @@ def test_evaluate_core_on_a_small_bundle_with_a_missing_task(tmp_path):
     assert result.core == pytest.approx(5 / 12)
     assert result.items_per_second > 0
     assert result.describe() == "CORE 0.4167 over 2 of 3 tasks (missing: gone)"
+    # a GPT scores the same with and without computing the shared prefix once
+    gpt = tiny_gpt(seq_len=64)
+    reused = evaluate_core(gpt, TOK, bundle, max_seq_len=64, batch_size=3)
+    full = evaluate_core(gpt, TOK, bundle, max_seq_len=64, batch_size=3, reuse_prefix=False)
+    assert reused.accuracy == full.accuracy
     # max_per_task takes the first items after the fixed shuffle
     small = evaluate_core(model, TOK, bundle, max_per_task=1, max_seq_len=64)
     assert small.n_items == {"mc": 1, "lm": 1}
@@ -431,3 +491,11 @@ def test_real_bundle_end_to_end_with_a_tiny_model():
     assert math.isfinite(result.core)
     assert result.core == pytest.approx(sum(result.centered.values()) / 18)
     assert result.describe().startswith("CORE ") and "over 18 of 22 tasks" in result.describe()
+
+
+def test_real_bundle_prefix_reuse_changes_no_accuracy():
+    # at 256 bytes about half the multiple-choice items fit untruncated and reuse their prefix
+    model, bundle = tiny_gpt(seq_len=256), shared_bundle()
+    reused = evaluate_core(model, TOK, bundle, max_per_task=2, max_seq_len=256, batch_size=8)
+    full = evaluate_core(model, TOK, bundle, max_per_task=2, max_seq_len=256, batch_size=8, reuse_prefix=False)
+    assert reused.accuracy == full.accuracy

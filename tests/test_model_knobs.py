@@ -11,7 +11,7 @@ from frontier.config import ConfigError, ModelConfig, OptimConfig, to_config
 from frontier.model import GPT, layer_windows
 from frontier.model_card import main as model_card
 from frontier.optim import build_optimizers
-from kernels.reference import causal_attention
+from kernels.reference import cached_attention, causal_attention
 from tests.conftest import compose_config
 
 V = 97
@@ -76,6 +76,16 @@ def test_sliding_window_matches_an_explicit_banded_softmax():
     scores = scores.masked_fill(~((s <= t) & (s > t - W)), float("-inf"))
     assert torch.allclose(causal_attention(q, k, v, window=W), scores.softmax(-1) @ v, atol=1e-5)
     assert torch.allclose(causal_attention(q, k, v, window=12), causal_attention(q, k, v), atol=1e-6)
+
+
+def test_cached_attention_aligns_queries_with_the_end_of_the_keys():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    for window in (None, 3):
+        full = causal_attention(q, k, v, window=window)
+        assert torch.allclose(cached_attention(q, k, v, window=window), full, atol=1e-5)
+        # the last 5 queries against all 12 keys: SDPA's top-left is_causal would be wrong here
+        assert torch.allclose(cached_attention(q[:, :, 7:], k, v, window=window), full[:, :, 7:], atol=1e-5)
 
 
 def test_window_pattern_tiles_over_depth_and_the_last_layer_is_full():
@@ -248,6 +258,20 @@ def test_every_knob_together_stays_causal_in_every_head():
         for a, b in zip(before, after):
             assert torch.allclose(a[:, : t + 1], b[:, : t + 1], atol=1e-5)
             assert not torch.allclose(a[:, t + 1], b[:, t + 1])
+
+
+@pytest.mark.parametrize("overrides", [dict(zero_init_proj=False), EVERYTHING], ids=["baseline", "everything"])
+def test_forward_with_prefix_equals_the_full_forward_tail(overrides):
+    # head_std=1: logits large enough for the tolerance to matter; the 20-token prefix is longer
+    # than the 8-token window of the short layers, so the suffix's band must count prefix positions
+    m = model(**{**overrides, "head_std": 1.0}).eval()
+    prefix, suffix = tokens(rows=1, seq=20, seed=2), tokens(rows=3, seq=12, seed=3)
+    with torch.no_grad():
+        full = m(torch.cat((prefix.expand(3, -1), suffix), dim=1))[:, 20:]
+        assert torch.allclose(m.forward_with_prefix(prefix, suffix), full, atol=1e-4)
+        assert torch.allclose(m.forward_with_prefix(prefix.expand(3, -1), suffix), full, atol=1e-4)
+        with pytest.raises(ValueError, match="longer than model.seq_len"):
+            m.forward_with_prefix(prefix, tokens(rows=3, seq=13))
 
 
 def test_param_groups_route_every_parameter_once():
