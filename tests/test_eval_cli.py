@@ -74,3 +74,21 @@ def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(trained, tmp_p
                             timeout=120)
     assert result.returncode == 2
     assert f"the tokenizer of checkpoint {tmp_path / 'final.pt'} is missing" in result.stderr
+
+
+@pytest.mark.slow
+def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = compose_config([*FAST, "budget.max_steps=2", "tracking.enabled=true", f"tracking.uri={uri}"])
+    train(raw, tmp_path / "run", RunDisplay(enabled=False))
+    run_id = json.loads((tmp_path / "run" / "summary.json").read_text())["mlflow_run_id"]
+    result = subprocess.run(
+        [sys.executable, "-m", "frontier.eval", f"run_id={run_id}", f"tracking.uri={uri}", "device=cpu",
+         f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert f"logged to MLflow run {run_id}" in result.stdout
+    metrics = MlflowClient(uri).get_run(run_id).data.metrics
+    assert metrics["core_tasks"] == 18 and "core" in metrics and "core/arc_easy" in metrics
