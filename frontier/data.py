@@ -306,11 +306,6 @@ class PackedLoader:
                 self.buffer[slot] = self._next_doc()
         return out
 
-    def next_batch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.from_numpy(self.next_rows())
-        rows = rows.to(device, non_blocking=True)
-        return rows[:, :-1], rows[:, 1:]
-
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": self.buffer.tolist(), "seed": self.seed}
 

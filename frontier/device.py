@@ -56,6 +56,13 @@ class Device:
                 return flops
         return None
 
+    def peak_flops(self) -> tuple[float, str]:
+        """The rate MFU is taken against: the published peak, or (CPU) what this machine's matmul reaches."""
+        nominal = self.nominal_peak_flops()
+        if nominal is not None:
+            return nominal, "nominal"
+        return measure_matmul_flops(self), "measured"
+
 
 def resolve_device(name: str, precision: str, neuron_logical_cores: int | None = None) -> Device:
     """`auto` picks cuda, then neuron, then cpu; an explicit device must exist."""

@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier.config import PROJECT_ROOT, Config, ConfigError, register_schemas, to_config
-from frontier.device import Device, measure_matmul_flops, resolve_device
+from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
 from frontier.optim import build_optimizers
 
@@ -88,9 +88,8 @@ def measure_tokens_per_second(config: Config, vocab: int, device: Device, rows: 
 
 
 def nominal_tokens_per_second(flops_per_token: int, device: Device, mfu: float) -> tuple[float, str]:
-    peak, source = device.nominal_peak_flops(), "nominal peak"
-    if peak is None:  # no published figure (CPU): what this machine's matmul reaches
-        peak, source = measure_matmul_flops(device), "measured matmul rate"
+    peak, source = device.peak_flops()
+    source = {"nominal": "nominal peak", "measured": "measured matmul rate"}[source]
     how = f"estimated: {source} {peak / 1e12:,.3g} TFLOP/s x assumed MFU {mfu:.0%}"
     return peak * mfu / flops_per_token, how
 

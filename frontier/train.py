@@ -32,7 +32,7 @@ from frontier.core import CoreBundleError
 from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
 from frontier.distributed import World, init_world
-from frontier.device import Device, measure_matmul_flops, resolve_device
+from frontier.device import Device, resolve_device
 from frontier.evaluate import val_bpb
 from frontier.model import GPT, Ops, build as build_model
 from frontier.optim import apply_schedule, build_optimizers
@@ -115,10 +115,7 @@ def setup(raw: DictConfig, run_dir: Path) -> Run:
 def describe(run: Run) -> dict:
     """Static facts of the run: sizes, cost per token, the device and its peak rate."""
     params = run.model.num_params()
-    peak = run.device.nominal_peak_flops()
-    peak_source = "nominal"
-    if peak is None:  # no published figure (CPU): what this machine's matmul actually reaches
-        peak, peak_source = measure_matmul_flops(run.device), "measured"
+    peak, peak_source = run.device.peak_flops()
     return {
         "params": params["total"],
         "params_embedding": params["embedding"],
@@ -337,9 +334,10 @@ def train(raw: DictConfig, run_dir: Path, display: RunDisplay | None = None) -> 
     if raw.get("resume"):
         raw, run_dir, state = resume_point(raw.resume, raw.tracking)
     run = setup(raw, run_dir)
-    display = display or RunDisplay(enabled=sys.stderr.isatty() and run.world.is_main)
-    if not run.world.is_main:
+    if not run.world.is_main:  # one rank speaks for the job
         display = RunDisplay(enabled=False, quiet=True)
+    else:
+        display = display or RunDisplay(enabled=sys.stderr.isatty())
     run.summary.update(describe(run))
     if state is not None:
         restore(run, state)
