@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from frontier.config import ModelConfig
+from frontier.config import ConfigError, ModelConfig
 from frontier.model import GPT
 from frontier.tokenizer import Tokenizer
 
@@ -36,13 +36,39 @@ def save_final(path: Path, model: GPT, config: dict, tokenizer: Tokenizer) -> No
     os.replace(tmp, path)
 
 
-def _read(path: str | os.PathLike) -> dict:
+class CheckpointError(ConfigError):
+    """A checkpoint file that is missing, truncated, not a torch file, or not one of ours."""
+
+
+def read_checkpoint(path: str | os.PathLike, what: str, keys: tuple[str, ...] = ("model", "config")) -> dict:
+    """The payload of a `final.pt` or `resume.pt`; every way it can be unusable becomes one sentence
+    naming `what` (the key the user gave, e.g. "checkpoint=" or "resume=") and the file."""
     path = Path(path)
+
+    def refuse(reason: str) -> CheckpointError:
+        return CheckpointError(f"{what}{path} is not allowed: {reason}")
+
+    if not path.exists():
+        raise refuse("the file does not exist")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a frontier checkpoint (format {FORMAT})")
+        raise refuse("it is not a file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # EOFError, UnpicklingError, zip errors, OSError: all mean unusable
+        detail = (str(err).splitlines() or [""])[0].split(". ")[0][:160]
+        raise refuse(f"it is truncated, damaged or not a torch checkpoint ({type(err).__name__}: {detail})") from None
+    if not isinstance(payload, dict) or any(key not in payload for key in keys):
+        held = f"keys {', '.join(map(str, list(payload)[:6])) or 'none'}" if isinstance(payload, dict) \
+            else f"a {type(payload).__name__}"
+        raise refuse(f"it is not a frontier checkpoint (it holds {held}; expected keys {', '.join(keys)})")
+    return payload
+
+
+def _read(path: str | os.PathLike) -> dict:
+    payload = read_checkpoint(path, "checkpoint=", keys=("format", "model", "config", "vocab_size", "tokenizer"))
+    if payload["format"] != FORMAT:
+        raise CheckpointError(f"checkpoint={path} is not allowed: it has format {payload['format']!r}, "
+                              f"this version reads format {FORMAT}")
     return payload
 
 
