@@ -3,26 +3,33 @@
 Training and validation come from disjoint files: by the pretraining-shard convention the last
 file of a directory is the validation split. A single .txt/.jsonl file is split by documents
 instead (its tail, `data.val_fraction`, is held out).
+
+A token cache stores an xxh3 checksum of each of its files in meta.json, checked every time it is
+opened (a pass over the file at memory speed, well under a second per GB): a damaged cache is
+rebuilt with a warning, never read.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
+import xxhash
 from filelock import FileLock
 
 from frontier.config import DataConfig, project_path
 from frontier.tokenizer import Tokenizer, train_tokenizer
 
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
-CACHE_VERSION = 1  # bump when the on-disk token format changes, so old caches are rebuilt
+CACHE_VERSION = 2  # bump when the on-disk token format changes, so old caches are rebuilt
 
 
 class DataError(ValueError):
@@ -52,6 +59,9 @@ def resolve_splits(cfg: DataConfig) -> tuple[Split, Split]:
     if not path.exists():
         raise DataError(f"data.path={cfg.path!r} does not exist (resolved to {path.resolve()})")
     if path.is_file():
+        if path.suffix not in TEXT_SUFFIXES:
+            raise DataError(f"data.path={cfg.path!r} is not allowed: {path} is not a data file; point it at a "
+                            f"{', '.join(TEXT_SUFFIXES[:-1])} or {TEXT_SUFFIXES[-1]} file, or a directory of them")
         files = [path]
     else:
         files = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES and p.is_file())
@@ -93,12 +103,34 @@ def _download_hub_shards(cfg: DataConfig) -> tuple[Split, Split]:
 # Reading documents
 
 
+def _check_utf8(path: Path) -> None:
+    """Text files must be UTF-8; `datasets` would otherwise fail later without naming the file."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 24)
+            pending = len(decoder.getstate()[0])  # bytes of a character split across blocks
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                in_block = max(0, err.start - pending)
+                line = lines + block[:in_block].count(b"\n") + 1
+                raise DataError(f"{path} is not valid UTF-8: byte {offset + in_block} (line {line}) is "
+                                f"{err.object[err.start:err.start + 1].hex()}; re-encode the file as UTF-8") from None
+            if not block:
+                return
+            offset, lines = offset + len(block), lines + block.count(b"\n")
+
+
 def _load_file(path: Path, text_column: str):
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}[path.suffix]
+    if builder != "parquet":
+        _check_utf8(path)
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
@@ -111,9 +143,10 @@ def _load_file(path: Path, text_column: str):
     return ds, column
 
 
-def _is_empty_parquet(path: Path) -> bool:
+def _is_empty_file(path: Path) -> bool:
+    """A shard without rows, or a text file of nothing but whitespace: `datasets` cannot open either."""
     if path.suffix != ".parquet":
-        return False
+        return path.stat().st_size < 4096 and not path.read_bytes().strip()
     import pyarrow.parquet as pq
 
     try:
@@ -129,7 +162,7 @@ def iter_documents(split: Split, text_column: str, chunk: int = 1024,
     skipped = skipped if skipped is not None else {}
     lo, hi = split.doc_slice
     for path in split.files:
-        if _is_empty_parquet(path):  # `datasets` cannot open a shard without rows
+        if _is_empty_file(path):
             skipped.setdefault("files", []).append(str(path))
             continue
         ds, column = _load_file(path, text_column)
@@ -151,13 +184,43 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _cache_error(cfg: DataConfig, err: OSError) -> DataError:
+    return DataError(f"data.cache_dir={cfg.cache_dir!r} is not allowed: cannot write the data caches there "
+                     f"({type(err).__name__}: {err.strerror or err})")
+
+
+def _cache_folder(cfg: DataConfig, *parts: str) -> Path:
+    """A folder under data.cache_dir, created now so that an unwritable cache is reported before any work."""
+    folder = project_path(cfg.cache_dir).joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise _cache_error(cfg, err) from None
+    return folder
+
+
+_CHECKED_FILES = ("tokens.bin", "offsets.npy")
+
+
+def _checksum(path: Path) -> str:
+    """xxh3 of a file, read in blocks: about 10 GB/s, so checking a cache on every load costs little
+    next to building it."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 26):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
     """`data.tokenizer_path`, or a BPE trained on the training split and cached by its inputs."""
     if cfg.tokenizer_path:
         return Tokenizer.load(Path(cfg.tokenizer_path).expanduser())
     key = _digest([CACHE_VERSION, train.identity(), cfg.vocab_size, cfg.tokenizer_train_chars, cfg.text_column])
-    path = project_path(cfg.cache_dir) / "tokenizers" / key / "tokenizer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _cache_folder(cfg, "tokenizers", key) / "tokenizer.json"
     with FileLock(str(path) + ".lock"):
         if path.is_file():
             try:
@@ -175,7 +238,10 @@ def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
                         return
 
         tokenizer = train_tokenizer(texts(), cfg.vocab_size)
-        tokenizer.save(path)
+        try:
+            tokenizer.save(path)
+        except OSError as err:  # e.g. the disk filled up
+            raise _cache_error(cfg, err) from None
         return tokenizer
 
 
@@ -186,6 +252,9 @@ class TokenCorpus:
         meta = json.loads((directory / "meta.json").read_text())
         if meta.get("version") != CACHE_VERSION or meta.get("tokenizer") != tokenizer_fingerprint:
             raise DataError(f"token cache {directory} was built by another version or tokenizer")
+        for name in _CHECKED_FILES:
+            if _checksum(directory / name) != meta["checksums"][name]:
+                raise DataError(f"token cache {directory} is damaged: {name} does not match its checksum")
         self.directory = directory
         self.meta = meta
         self.tokens = np.memmap(directory / "tokens.bin", dtype=np.uint16, mode="r")
@@ -211,15 +280,17 @@ class TokenCorpus:
 def load_corpus(split: Split, tokenizer: Tokenizer, cfg: DataConfig, name: str) -> TokenCorpus:
     """The tokenized split, from the cache when its inputs are unchanged; built once under a lock."""
     key = _digest([CACHE_VERSION, split.identity(), tokenizer.fingerprint(), cfg.text_column])
-    directory = project_path(cfg.cache_dir) / "tokens" / f"{name}-{key}"
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory = _cache_folder(cfg, "tokens") / f"{name}-{key}"
     with FileLock(str(directory) + ".lock"):
         if (directory / "meta.json").is_file():
             try:
                 return TokenCorpus(directory, tokenizer.fingerprint())
-            except (DataError, ValueError, OSError):
-                pass  # incomplete or from another version: rebuilt below, never used
-        _build_corpus(split, tokenizer, cfg.text_column, directory)
+            except (DataError, ValueError, KeyError, OSError) as err:  # never used; rebuilt below
+                print(f"warning: {err}; rebuilding it", file=sys.stderr, flush=True)
+        try:
+            _build_corpus(split, tokenizer, cfg.text_column, directory)
+        except OSError as err:  # e.g. the disk filled up
+            raise _cache_error(cfg, err) from None
         return TokenCorpus(directory, tokenizer.fingerprint())
 
 
@@ -241,6 +312,7 @@ def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, director
         raise DataError(f"no non-empty documents in {', '.join(map(str, split.files))}")
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"version": CACHE_VERSION, "tokens": total, "documents": docs,
+            "checksums": {name: _checksum(tmp / name) for name in _CHECKED_FILES},
             "files": [str(f) for f in split.files], "doc_slice": list(split.doc_slice),
             "tokenizer": tokenizer.fingerprint(), "skipped_empty_documents": skipped.get("documents", 0),
             "empty_files": skipped.get("files", [])}

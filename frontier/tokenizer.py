@@ -72,8 +72,11 @@ class Tokenizer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        self.hf.save(str(tmp))
-        os.replace(tmp, path)
+        try:
+            self.hf.save(str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.path = path
 
 

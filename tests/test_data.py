@@ -1,3 +1,5 @@
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +10,23 @@ import pytest
 from frontier import data as data_module
 from frontier.config import DataConfig
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
+from tests.conftest import FAST, run_cli
+
+
+def words_of(shard, docs, words=40):
+    rng = np.random.default_rng(shard)
+    vocab = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    return [" ".join(rng.choice(vocab, size=rng.integers(3, words))) + f" doc{shard}.{i}" for i in range(docs)]
+
+
+def write_text_shards(folder, suffix, shards=3, docs=40, empty=()):
+    """`shards` .txt or .jsonl files; those whose index is in `empty` hold nothing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        texts = [] if s in empty else words_of(s, docs)
+        body = "\n\n".join(texts) if suffix == ".txt" else "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        (folder / f"shard_{s:05d}{suffix}").write_text(body)
+    return folder
 
 
 def write_shards(folder, docs_per_shard, shards=3, words=40):
@@ -154,3 +173,109 @@ def test_a_failed_download_names_the_shard_and_the_repo(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="could not download shard_00000.parquet of "
                                         "data.hub_repo='karpathy/fineweb-edu-100b-shuffle': network unreachable"):
         resolve_splits(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults in the data and its caches
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_an_empty_text_shard_is_skipped_and_counted_like_an_empty_parquet(tmp_path, suffix):
+    folder = write_text_shards(tmp_path / "s", suffix, shards=4, empty=(1,))
+    (folder / f"shard_00002{suffix}").write_text("\n\n  \n")  # only whitespace: empty as well
+    cfg = config(tmp_path, folder)
+    train, val = resolve_splits(cfg)
+    corpus = load_corpus(train, load_tokenizer(cfg, train), cfg, "train")
+    assert corpus.num_documents == 40
+    assert corpus.meta["empty_files"] == [str(folder / f"shard_0000{i}{suffix}") for i in (1, 2)]
+
+
+def test_invalid_utf8_names_the_file_the_byte_and_the_line(tmp_path):
+    folder = write_text_shards(tmp_path / "s", ".jsonl")
+    bad = folder / "shard_00001.jsonl"
+    good = bad.read_bytes()
+    bad.write_bytes(good + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    cfg = config(tmp_path, folder)
+    train, _ = resolve_splits(cfg)
+    with pytest.raises(DataError, match=f"{bad} is not valid UTF-8: byte {len(good) + 13} \\(line 41\\) is e9"):
+        load_tokenizer(cfg, train)
+
+
+def test_a_damaged_token_cache_of_the_same_size_is_rebuilt_with_a_warning(tmp_path, capsys):
+    cfg, train, _, tokenizer, corpus = corpus_of(tmp_path, write_shards(tmp_path / "s", 50))
+    expected = np.array(corpus.tokens)
+    for name in ("tokens.bin", "offsets.npy"):
+        damaged = corpus.directory / name
+        before = damaged.stat()
+        data = bytearray(damaged.read_bytes())
+        data[-20:-10] = b"\xff" * 10
+        damaged.write_bytes(bytes(data))
+        os.utime(damaged, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size, same time
+        rebuilt = load_corpus(train, tokenizer, cfg, "train")
+        assert f"token cache {corpus.directory} is damaged: {name} does not match its checksum; rebuilding it" \
+            in capsys.readouterr().err
+        assert np.array_equal(np.array(rebuilt.tokens), expected)
+
+
+def test_an_unwritable_cache_dir_is_one_sentence_naming_it(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cfg = DataConfig(path=str(write_shards(tmp_path / "s", 5)), vocab_size=300, cache_dir=str(blocker))
+    train, _ = resolve_splits(cfg)
+    with pytest.raises(DataError, match=f"data.cache_dir='{blocker}' is not allowed: cannot write the data "
+                                        "caches there \\(NotADirectoryError"):
+        load_tokenizer(cfg, train)
+
+
+def cli(tmp_path, data_path, *extra):
+    return run_cli([*FAST, f"data.path={data_path}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
+                    "precision=fp32", "budget.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}", *extra], timeout=300)
+
+
+def last_line(result):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_cli_invalid_utf8_is_one_sentence_naming_the_file(tmp_path):
+    folder = write_text_shards(tmp_path / "s", ".jsonl")
+    with open(folder / "shard_00000.jsonl", "ab") as f:
+        f.write(b'{"text": "\xff"}\n')
+    assert last_line(cli(tmp_path, folder)).startswith(f"error: {folder / 'shard_00000.jsonl'} is not valid UTF-8")
+
+
+@pytest.mark.parametrize("name", ["table.csv", "README"])
+def test_cli_a_plain_file_as_data_path_names_it_and_the_formats(tmp_path, name):
+    path = tmp_path / name
+    path.write_text("a,b\n1,2\n")
+    assert last_line(cli(tmp_path, path)) == (
+        f"error: data.path='{path}' is not allowed: {path} is not a data file; point it at a .parquet, .jsonl, "
+        ".json or .txt file, or a directory of them")
+
+
+def test_cli_an_unwritable_cache_dir_is_one_sentence(tmp_path):
+    folder = write_text_shards(tmp_path / "s", ".txt")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    line = last_line(cli(tmp_path, folder, f"data.cache_dir={blocker}"))
+    assert line.startswith(f"error: data.cache_dir='{blocker}' is not allowed: cannot write the data caches there")
+
+
+@pytest.mark.slow
+def test_cli_skips_an_empty_shard_and_rebuilds_a_damaged_cache(tmp_path):
+    folder = write_text_shards(tmp_path / "s", ".txt", shards=4, empty=(1,))
+    first = cli(tmp_path, folder)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["data_empty_files"] == [str(folder / "shard_00001.txt")]
+    [cache] = (tmp_path / "cache" / "tokens").glob("train-*[!k]")  # not the .lock file
+    tokens = cache / "tokens.bin"
+    data = bytearray(tokens.read_bytes())
+    data[100:120] = b"\xff" * 20  # token ids past the vocabulary: reading them would crash the model
+    tokens.write_bytes(bytes(data))
+    second = cli(tmp_path, folder, f"hydra.run.dir={tmp_path / 'again'}")
+    assert second.returncode == 0, second.stderr
+    assert f"warning: token cache {cache} is damaged: tokens.bin does not match its checksum" in second.stderr
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert again["data_train_tokens"] == summary["data_train_tokens"] and again["val_bpb"] == summary["val_bpb"]

@@ -1,0 +1,99 @@
+"""A missing, truncated or foreign checkpoint is one sentence naming the file, wherever it is read."""
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from frontier.checkpoint import CheckpointError, load_for_eval, read_checkpoint, save_final
+from frontier.config import ConfigError, ModelConfig
+from frontier.model import GPT
+from tests.conftest import ROOT, run_cli
+
+
+class _Tokenizer:  # save_final needs only these two
+    path = None
+
+    def fingerprint(self):
+        return "test"
+
+
+@pytest.fixture
+def final_pt(tmp_path):
+    """A real, tiny final.pt."""
+    config = ModelConfig(depth=1, d_model=32, n_head=2, seq_len=16)
+    path = tmp_path / "run" / "final.pt"
+    save_final(path, GPT(config, 64), {"model": asdict(config)}, _Tokenizer())
+    return path
+
+
+def truncated(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+def foreign(path):
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, path)  # someone else's torch file
+    return path
+
+
+def not_torch(path):
+    path.write_text("this is not a checkpoint\n")
+    return path
+
+
+def empty(path):
+    path.write_bytes(b"")
+    return path
+
+
+DAMAGE = [
+    (truncated, "it is truncated, damaged or not a torch checkpoint"),
+    (empty, "it is truncated, damaged or not a torch checkpoint (EOFError"),
+    (not_torch, "it is truncated, damaged or not a torch checkpoint"),
+    (foreign, "it is not a frontier checkpoint (it holds keys state_dict"),
+]
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
+def test_read_checkpoint_names_the_file_and_the_key(final_pt, damage, reason):
+    damage(final_pt)
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(final_pt, "resume=")
+    assert str(caught.value).startswith(f"resume={final_pt} is not allowed: {reason}")
+    assert isinstance(caught.value, ConfigError) and "\n" not in str(caught.value)
+
+
+def test_read_checkpoint_refuses_what_is_not_a_file(tmp_path):
+    with pytest.raises(CheckpointError, match="the file does not exist"):
+        read_checkpoint(tmp_path / "final.pt", "checkpoint=")
+    with pytest.raises(CheckpointError, match="it is not a file"):
+        read_checkpoint(tmp_path, "checkpoint=")
+
+
+def test_load_for_eval_refuses_a_truncated_final_pt(final_pt):
+    assert read_checkpoint(final_pt, "checkpoint=")["format"] == 1
+    truncated(final_pt)
+    with pytest.raises(CheckpointError, match=f"checkpoint={final_pt} is not allowed: it is truncated"):
+        load_for_eval(final_pt)
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
+def test_eval_command_refuses_a_damaged_final_pt(final_pt, damage, reason):
+    damage(final_pt)
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={final_pt}", "device=cpu",
+                             "tracking.enabled=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"error: checkpoint={final_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
+def test_resume_refuses_a_damaged_resume_pt(tmp_path, final_pt, damage, reason):
+    resume_pt = damage(final_pt.with_name("resume.pt"))
+    result = run_cli([f"resume={resume_pt.parent}", f"hydra.run.dir={tmp_path / 'new'}"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"error: resume={resume_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
