@@ -127,10 +127,12 @@ class OptimConfig:
     adam_eps: float = 1e-10
     ns_coefficients: str = "polar_express"  # Newton-Schulz coefficients: classic | polar_express
     ns_steps: int = 5
+    ns_dtype: str = "auto"  # Newton-Schulz arithmetic: auto (bf16 where the device has it natively) | bf16 | fp32
 
     def __post_init__(self) -> None:
         _choice("optim.name", self.name, ("muon", "adamw"))
         _choice("optim.ns_coefficients", self.ns_coefficients, ("classic", "polar_express"))
+        _choice("optim.ns_dtype", self.ns_dtype, ("auto", "bf16", "fp32"))
         for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
             value = getattr(self, key)
             _require(value >= 0, f"optim.{key}", value, "must be >= 0")
@@ -378,7 +380,7 @@ class Config:
     trial: TrialConfig = field(default_factory=TrialConfig)
     sweep: Optional[SweepConfig] = None  # selected with sweep=NAME; read by the sweeper only
     device: str = "auto"  # auto | cpu | cuda | neuron (a specific index like cuda:1 also works)
-    precision: str = "bf16"  # bf16: autocast where the device has it; fp32: full precision
+    precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32; bf16: autocast; fp32
     neuron_logical_cores: Optional[int] = None  # Trainium2: 2 pairs the 8 NeuronCores into 4 (LNC=2); 1 = all 8
     seed: int = 1337
     compile_only: bool = False  # build and compile the model, run the excluded steps, then exit
@@ -387,7 +389,7 @@ class Config:
     def __post_init__(self) -> None:
         _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",
                  self.device, "choose one of auto, cpu, cuda, cuda:N, neuron")
-        _choice("precision", self.precision, ("bf16", "fp32"))
+        _choice("precision", self.precision, ("auto", "bf16", "fp32"))
         _require(self.neuron_logical_cores in (None, 1, 2), "neuron_logical_cores", self.neuron_logical_cores,
                  "1 (8 logical cores per Trainium2 chip), 2 (4 logical cores) or null (the runtime's default)")
         rows_per_step, remainder = divmod(self.train.batch_tokens, self.model.seq_len)

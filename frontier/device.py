@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
+from filelock import FileLock
 
-from frontier.config import ConfigError
+from frontier.config import ConfigError, project_path
 
 # Dense bf16 peak FLOP/s per device, for MFU against the nominal figure.
 NOMINAL_PEAK_FLOPS = {
@@ -20,9 +26,36 @@ NOMINAL_PEAK_FLOPS = {
     "neuron": 667e12 / 8,  # one NeuronCore-v3: a Trainium2 chip has 8
 }
 
+# Measured matmul rates, once per machine, device, dtype, torch version and thread count.
+PEAK_CACHE = project_path(".cache") / "peak_flops.json"
+MEASURE_SECONDS = 3.0  # long enough that one busy moment does not decide the figure
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 
 def neuron_available() -> bool:
     return hasattr(torch, "neuron") and torch.neuron.is_available()
+
+
+def cpu_bf16_features() -> list[str]:
+    """The CPU features that make bf16 matmuls fast (torch's capability string stops at "AVX512")."""
+    checks = {"AMX": "_is_amx_tile_supported", "AVX512_BF16": "_is_avx512_bf16_supported"}
+    return [name for name, check in checks.items() if getattr(torch.cpu, check, lambda: False)()]
+
+
+def bf16_native(kind: str) -> tuple[bool, str]:
+    """Whether this kind of device computes bf16 natively and fast, and why."""
+    if kind == "neuron":
+        return True, "Trainium computes bf16 natively"
+    if kind == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, "the CUDA GPU computes bf16 natively"
+        return False, "the CUDA GPU has no native bf16"
+    features = cpu_bf16_features()
+    if features:
+        return True, f"cpu has {' and '.join(features)}"
+    return False, (f"cpu has neither AVX512_BF16 nor AMX (torch capability "
+                   f"{torch.backends.cpu.get_cpu_capability()})")
 
 
 @dataclass
@@ -30,7 +63,8 @@ class Device:
     torch_device: torch.device
     kind: str  # cpu | cuda | neuron
     name: str
-    precision: str
+    precision: str  # bf16 | fp32, resolved (never auto)
+    precision_reason: str = ""
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -57,15 +91,22 @@ class Device:
         return None
 
     def peak_flops(self) -> tuple[float, str]:
-        """The rate MFU is taken against: the published peak, or (CPU) what this machine's matmul reaches."""
+        """The rate MFU is taken against: the published peak, or the matmul rate measured once here."""
         nominal = self.nominal_peak_flops()
         if nominal is not None:
-            return nominal, "nominal"
-        return measure_matmul_flops(self), "measured"
+            return nominal, f"nominal bf16 peak of {self.name}"
+        entry = matmul_rate(self, self.precision)
+        return entry["flops"], describe_measurement(entry)
 
 
 def resolve_device(name: str, precision: str, neuron_logical_cores: int | None = None) -> Device:
-    """`auto` picks cuda, then neuron, then cpu; an explicit device must exist."""
+    """`auto` picks cuda, then neuron, then cpu; an explicit device must exist.
+
+    precision=auto is bf16 where the device computes it natively, else fp32; the choice and its
+    reason go to stderr as one line (and into Device for the run's summary).
+    """
+    if precision not in ("auto", *DTYPES):
+        raise ConfigError(f"precision={precision!r} is not allowed: choose one of auto, bf16, fp32")
     if neuron_logical_cores is not None:
         # Read by the Neuron runtime when it starts, so it must be set before the device is touched.
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(neuron_logical_cores)
@@ -88,20 +129,116 @@ def resolve_device(name: str, precision: str, neuron_logical_cores: int | None =
         label = "Trainium NeuronCore"
     else:
         label = "cpu"
-    return Device(torch_device, kind, label, precision)
+    native, why = bf16_native(kind)
+    if precision == "auto":
+        device = Device(torch_device, kind, label, "bf16" if native else "fp32", f"auto: {why}")
+    else:
+        device = Device(torch_device, kind, label, precision, f"precision={precision} ({why})")
+    print(f"precision {device.precision}: {device.precision_reason}", file=sys.stderr)
+    if device.precision == "bf16" and not native:
+        print(f"warning: {bf16_slowdown(device)}", file=sys.stderr)
+    return device
 
 
-def measure_matmul_flops(device: Device, size: int = 1024, dtype: torch.dtype | None = None,
-                         seconds: float = 0.3) -> float:
-    """The matmul rate this machine actually reaches, for MFU against what is achievable."""
+def bf16_slowdown(device: Device) -> str:
+    """One sentence on what bf16 costs on a device without native bf16, from the cached matmul rates."""
+    advice = "precision=auto or precision=fp32 is faster here"
+    if device.kind != "cpu":
+        return f"precision=bf16 without native bf16 on {device.name}; {advice}"
+    bf16, fp32 = matmul_rate(device, "bf16")["flops"], matmul_rate(device, "fp32")["flops"]
+    return (f"precision=bf16 on a cpu without native bf16: its matmuls run {fp32 / bf16:,.1f}x slower than "
+            f"fp32 here ({bf16 / 1e9:,.1f} vs {fp32 / 1e9:,.1f} GFLOP/s); {advice}")
+
+
+def mfu_note(mfu: float | None, peak_source: str = "") -> str | None:
+    """Why an MFU above 1 cannot be right, so that it is never reported silently; None when it is <= 1."""
+    if mfu is None or mfu <= 1:
+        return None
+    against = f" ({peak_source})" if peak_source else ""
+    return (f"mfu {mfu:.2f} > 1: the peak it is taken against{against} looks too low, measured while the "
+            "machine was busy; `python -m frontier.bench` measures it again")
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul rate, measured once
+
+
+def measure_matmul_flops(device: Device, size: int | None = None, dtype: torch.dtype | None = None,
+                         seconds: float = MEASURE_SECONDS) -> float:
+    """The matmul rate this machine reaches: the fastest of the matmuls timed over `seconds`.
+
+    Without a size, the largest square (up to 2048 on CPU, 8192 elsewhere) whose single matmul
+    takes under a twentieth of `seconds`, so a slow dtype still gets several timings. The fastest
+    matmul, not the mean, so that a load spike during the measurement lowers the figure less.
+    """
     dtype = dtype or device.autocast_dtype or torch.float32
-    a = torch.randn(size, size, device=device.torch_device, dtype=dtype)
-    b = torch.randn(size, size, device=device.torch_device, dtype=dtype)
-    a @ b  # warm up
-    device.synchronize()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+
+    def operands(n):
+        return (torch.randn(n, n, device=device.torch_device, dtype=dtype),
+                torch.randn(n, n, device=device.torch_device, dtype=dtype))
+
+    def timed(a, b) -> float:
+        start = time.perf_counter()
         a @ b
-        count += 1
         device.synchronize()
-    return 2 * size**3 * count / (time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    if size is None:
+        largest = 2048 if device.kind == "cpu" else 8192
+        size = 256
+        while size < largest:
+            a, b = operands(size)
+            timed(a, b)  # warm up this size
+            if timed(a, b) > seconds / 20:
+                break
+            size *= 2
+    a, b = operands(size)
+    timed(a, b)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        best = min(best, timed(a, b))
+    return 2 * size**3 / best
+
+
+def rate_key(device: Device, precision: str) -> str:
+    return (f"{socket.gethostname()} | {device.name} | {precision} | torch {torch.__version__} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def matmul_rate(device: Device, precision: str, refresh: bool = False, cache: Path | None = None) -> dict:
+    """The cached measurement for this machine, device and dtype, measuring it first if needed.
+
+    One process measures while others wait on the lock (two measuring at once would disturb each
+    other), and the file is replaced atomically so a reader never sees half of it.
+    """
+    cache = cache or PEAK_CACHE
+    key = rate_key(device, precision)
+    if not refresh and key in read_rates(cache):
+        return read_rates(cache)[key]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):
+        rates = read_rates(cache)
+        if key in rates and not refresh:
+            return rates[key]  # another process measured it while we waited
+        print(f"measuring the {precision} matmul rate of {device.name} once (a few seconds; cached in {cache})",
+              file=sys.stderr)
+        load = os.getloadavg()[0]
+        flops = measure_matmul_flops(device, dtype=DTYPES[precision])
+        rates[key] = {"flops": flops, "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "load_avg_1min": round(load, 2), "seconds": MEASURE_SECONDS}
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(rates, indent=2, sort_keys=True))
+        os.replace(tmp, cache)
+        return rates[key]
+
+
+def read_rates(cache: Path) -> dict:
+    try:
+        rates = json.loads(cache.read_text())
+    except (OSError, ValueError):  # absent or damaged: measure again
+        return {}
+    return rates if isinstance(rates, dict) else {}
+
+
+def describe_measurement(entry: dict) -> str:
+    return f"measured {entry['measured']}, load average {entry['load_avg_1min']}"

@@ -19,7 +19,7 @@ class EvalCommand:
     checkpoint: Optional[str] = None  # a final.pt
     run_id: Optional[str] = None  # an MLflow run whose checkpoint to evaluate and log to
     device: str = "auto"
-    precision: str = "bf16"
+    precision: str = "auto"  # bf16 where the device computes it natively, else fp32
     core: bool = True
     val_bpb: bool = False
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -89,7 +89,7 @@ def measure_tokens_per_second(config: Config, vocab: int, device: Device, rows: 
 
 def nominal_tokens_per_second(flops_per_token: int, device: Device, mfu: float) -> tuple[float, str]:
     peak, source = device.peak_flops()
-    source = {"nominal": "nominal peak", "measured": "measured matmul rate"}[source]
+    source = "nominal peak" if source.startswith("nominal") else f"matmul rate {source}"
     how = f"estimated: {source} {peak / 1e12:,.3g} TFLOP/s x assumed MFU {mfu:.0%}"
     return peak * mfu / flops_per_token, how
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps or (1 if device.kind == "cpu" else 2)
         tokens_per_second, how = measure_tokens_per_second(config, vocab, device, rows, max(1, steps))
     budget_tokens = tokens_per_second * config.budget.seconds
-    print(f"device           {device.name} ({config.precision}, kernel={config.kernel.name})")
+    print(f"device           {device.name} ({device.precision}, kernel={config.kernel.name})")
     print(f"tokens / second  {tokens_per_second:>14,.0f}  ({how})")
     peak = device.nominal_peak_flops()
     if peak is not None and not args.nominal:

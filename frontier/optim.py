@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from frontier.config import OptimConfig
+from frontier.device import DTYPES, bf16_native
 
 CLASSIC = ((3.4445, -4.7750, 2.0315),)
 POLAR_EXPRESS = (
@@ -19,14 +20,15 @@ POLAR_EXPRESS = (
 COEFFICIENTS = {"classic": CLASSIC, "polar_express": POLAR_EXPRESS}
 
 
-def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express") -> torch.Tensor:
-    """Push the singular values of G (..., m, n) towards 1 with a Newton-Schulz iteration in bf16.
+def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express",
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Push the singular values of G (..., m, n) towards 1 with a Newton-Schulz iteration in `dtype`.
 
     Works on a stack of same-shape matrices at once. Each step uses its own (a, b, c); past the
     end of the table the last one repeats (the classic iteration has a single triple).
     """
     table = COEFFICIENTS[coefficients]
-    X = G.bfloat16()
+    X = G.to(dtype)  # no copy when G is already in dtype
     tall = X.size(-2) > X.size(-1)
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -42,20 +44,21 @@ class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then the orthogonalised update scaled by max(1, rows/cols)^0.5."""
 
     def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5, coefficients: str = "polar_express", rank: int = 0, world_size: int = 1):
+                 ns_steps: int = 5, coefficients: str = "polar_express", ns_dtype: torch.dtype = torch.bfloat16,
+                 rank: int = 0, world_size: int = 1):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps,
                         coefficients=coefficients)
         super().__init__(params, defaults)
-        self.rank, self.world_size = rank, world_size
+        self.ns_dtype, self.rank, self.world_size = ns_dtype, rank, world_size
 
     def _orthogonalize_shared(self, updates: torch.Tensor, steps: int, coefficients: str) -> torch.Tensor:
         """Each rank orthogonalises every world_size-th matrix; a sum gathers them all."""
         if self.world_size == 1:
-            return orthogonalize(updates, steps, coefficients)
+            return orthogonalize(updates, steps, coefficients, self.ns_dtype)
         out = torch.zeros_like(updates, dtype=torch.float32)
         mine = list(range(self.rank, updates.size(0), self.world_size))
         if mine:
-            out[mine] = orthogonalize(updates[mine], steps, coefficients).float()
+            out[mine] = orthogonalize(updates[mine], steps, coefficients, self.ns_dtype).float()
         torch.distributed.all_reduce(out)
         return out
 
@@ -80,6 +83,14 @@ class Muon(torch.optim.Optimizer):
                     p.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
 
 
+def newton_schulz_dtype(setting: str, device_kind: str) -> torch.dtype:
+    """optim.ns_dtype: auto is bf16 where the device computes it natively (fast and accurate enough
+    there), else fp32 (bf16 without hardware support is many times slower than fp32)."""
+    if setting == "auto":
+        setting = "bf16" if bf16_native(device_kind)[0] else "fp32"
+    return DTYPES[setting]
+
+
 def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
                      device_kind: str, rank: int = 0, world_size: int = 1) -> list[torch.optim.Optimizer]:
     """One optimizer per algorithm; every param group remembers its base LR for the schedule."""
@@ -97,7 +108,8 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
         optimizers = [
             torch.optim.AdamW(adam_groups, **adam),
             Muon(groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay,
-                 ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients, rank=rank, world_size=world_size),
+                 ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients,
+                 ns_dtype=newton_schulz_dtype(cfg.ns_dtype, device_kind), rank=rank, world_size=world_size),
         ]
     for opt in optimizers:
         for group in opt.param_groups:

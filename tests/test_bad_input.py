@@ -18,7 +18,7 @@ from tests.conftest import FAST, run_cli
     ("data.path=/no/such/folder", "data.path='/no/such/folder' does not exist"),
     ("data.path=", "data.path='' is not allowed: set it to a directory or file of text"),
     ("device=cuda", "device='cuda' is not available"),
-    ("precision=fp8", "precision='fp8' is not allowed: choose one of bf16, fp32"),
+    ("precision=fp8", "precision='fp8' is not allowed: choose one of auto, bf16, fp32"),
     ("neuron_logical_cores=3", "neuron_logical_cores=3 is not allowed: 1 (8 logical cores per Trainium2 chip)"),
 ])
 def test_bad_input_is_one_clear_sentence(override, message):

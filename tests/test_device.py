@@ -1,9 +1,38 @@
+import json
 import os
 
 import pytest
+import torch
 
+from frontier import device as device_module
 from frontier.config import ConfigError
-from frontier.device import resolve_device
+from frontier.device import bf16_native, matmul_rate, mfu_note, resolve_device
+
+
+@pytest.fixture
+def peak_cache(tmp_path, monkeypatch):
+    """A private rate cache, so no test reads or writes the machine's real one."""
+    cache = tmp_path / "peak_flops.json"
+    monkeypatch.setattr(device_module, "PEAK_CACHE", cache)
+    return cache
+
+
+@pytest.fixture
+def cpu_with_bf16(monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AVX512_BF16"])
+
+
+@pytest.fixture
+def cpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: [])
+
+
+def fake_rates(cache, device, bf16: float, fp32: float) -> None:
+    """Cached rates as a measurement would leave them (bf16 and fp32 in FLOP/s)."""
+    entries = {device_module.rate_key(device, precision): {"flops": flops, "measured": "2026-01-02 03:04 UTC",
+                                                           "load_avg_1min": 0.5, "seconds": 3.0}
+               for precision, flops in (("bf16", bf16), ("fp32", fp32))}
+    cache.write_text(json.dumps(entries))
 
 
 def test_logical_core_setting_reaches_the_neuron_runtime(monkeypatch):
@@ -13,11 +42,91 @@ def test_logical_core_setting_reaches_the_neuron_runtime(monkeypatch):
 
 
 def test_auto_falls_back_to_the_cpu_here():
-    device = resolve_device("auto", "bf16")
-    assert device.kind == "cpu" and device.autocast_dtype is not None
+    device = resolve_device("auto", "fp32")
+    assert device.kind == "cpu" and device.autocast_dtype is None
 
 
 @pytest.mark.parametrize("name, missing", [("cuda", "no CUDA GPU"), ("neuron", "no Trainium device")])
 def test_an_absent_accelerator_is_a_clear_error(name, missing):
     with pytest.raises(ConfigError, match=f"device='{name}' is not available: .*{missing}"):
         resolve_device(name, "bf16")
+
+
+def test_an_unknown_precision_is_a_clear_error():
+    with pytest.raises(ConfigError, match="precision='fp8' is not allowed: choose one of auto, bf16, fp32"):
+        resolve_device("cpu", "fp8")
+
+
+def test_auto_precision_is_bf16_on_a_cpu_with_native_bf16(cpu_with_bf16, capsys):
+    assert bf16_native("cpu") == (True, "cpu has AVX512_BF16")
+    device = resolve_device("cpu", "auto")
+    assert device.precision == "bf16" and device.autocast_dtype == torch.bfloat16
+    assert device.precision_reason == "auto: cpu has AVX512_BF16"
+    assert capsys.readouterr().err == "precision bf16: auto: cpu has AVX512_BF16\n"
+
+
+def test_auto_precision_is_fp32_on_a_cpu_without_native_bf16(cpu_without_bf16, capsys):
+    native, reason = bf16_native("cpu")
+    assert not native and reason.startswith("cpu has neither AVX512_BF16 nor AMX")
+    device = resolve_device("cpu", "auto")
+    assert device.precision == "fp32" and device.autocast_dtype is None
+    assert device.precision_reason == f"auto: {reason}"
+    assert capsys.readouterr().err == f"precision fp32: auto: {reason}\n"
+
+
+def test_explicit_bf16_without_native_bf16_runs_and_warns_of_the_measured_slowdown(
+        cpu_without_bf16, peak_cache, capsys):
+    fake_rates(peak_cache, resolve_device("cpu", "fp32"), bf16=0.3e9, fp32=24e9)
+    capsys.readouterr()
+    device = resolve_device("cpu", "bf16")
+    assert device.precision == "bf16"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("precision bf16: precision=bf16 (cpu has neither")
+    assert lines[1] == ("warning: precision=bf16 on a cpu without native bf16: its matmuls run 80.0x slower than "
+                        "fp32 here (0.3 vs 24.0 GFLOP/s); precision=auto or precision=fp32 is faster here")
+    assert len(lines) == 2
+
+
+def test_explicit_fp32_is_kept_on_a_cpu_with_native_bf16(cpu_with_bf16, capsys):
+    device = resolve_device("cpu", "fp32")
+    assert device.precision == "fp32" and device.precision_reason == "precision=fp32 (cpu has AVX512_BF16)"
+
+
+def test_the_peak_is_measured_once_and_cached_with_its_date_and_load(peak_cache, monkeypatch):
+    device = resolve_device("cpu", "fp32")
+    measured = []
+
+    def measure(device, size=None, dtype=None, seconds=0):
+        measured.append(dtype)
+        return 5e10
+
+    monkeypatch.setattr(device_module, "measure_matmul_flops", measure)
+    flops, source = device.peak_flops()
+    assert flops == 5e10 and measured == [torch.float32]
+    entry = json.loads(peak_cache.read_text())[device_module.rate_key(device, "fp32")]
+    assert entry["flops"] == 5e10 and entry["load_avg_1min"] >= 0 and entry["seconds"] >= 2
+    assert source == f"measured {entry['measured']}, load average {entry['load_avg_1min']}"
+    assert device.peak_flops() == (flops, source) and measured == [torch.float32]  # from the cache
+    matmul_rate(device, "fp32", refresh=True)  # what frontier.bench does
+    assert measured == [torch.float32, torch.float32]
+    assert not list(peak_cache.parent.glob("*.tmp*"))  # written atomically
+
+
+def test_a_damaged_cache_is_measured_again(peak_cache, monkeypatch):
+    peak_cache.write_text("{not json")
+    monkeypatch.setattr(device_module, "measure_matmul_flops", lambda *a, **k: 7e9)
+    assert resolve_device("cpu", "fp32").peak_flops()[0] == 7e9
+
+
+def test_the_matmul_measurement_runs_for_the_time_given():
+    device = resolve_device("cpu", "fp32")
+    assert device_module.measure_matmul_flops(device, size=64, seconds=0.05) > 0
+    assert device_module.measure_matmul_flops(device, seconds=0.05) > 0  # picks its own size
+
+
+def test_an_mfu_above_one_always_carries_a_note():
+    assert mfu_note(0.45) is None and mfu_note(None) is None
+    note = mfu_note(3.7, "measured 2026-01-02 03:04 UTC, load average 24.0")
+    assert note.startswith("mfu 3.70 > 1: the peak it is taken against (measured 2026-01-02 03:04 UTC, "
+                           "load average 24.0) looks too low")
+    assert "python -m frontier.bench" in note

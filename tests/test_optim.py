@@ -1,20 +1,67 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from frontier.config import OptimConfig
+from frontier import device as device_module
+from frontier.config import ConfigError, ModelConfig, OptimConfig
 from frontier.model import GPT
-from frontier.config import ModelConfig
 from frontier.optim import Muon, apply_schedule, build_optimizers, orthogonalize
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("coefficients", ["classic", "polar_express"])
 @pytest.mark.parametrize("shape", [(48, 128), (128, 48), (100, 300)])
-def test_orthogonalised_update_has_singular_values_near_one(coefficients, shape):
+def test_orthogonalised_update_has_singular_values_near_one(coefficients, shape, dtype):
     torch.manual_seed(0)
     G = torch.randn(*shape)  # rectangular Gaussian: well-conditioned, like a gradient
-    s = torch.linalg.svdvals(orthogonalize(G, steps=5, coefficients=coefficients).float())
-    # The quintic iteration aims for a band around 1, not exactly 1 (bf16 arithmetic too).
+    X = orthogonalize(G, steps=5, coefficients=coefficients, dtype=dtype)
+    assert X.dtype == dtype
+    s = torch.linalg.svdvals(X.float())
+    # The quintic iteration aims for a band around 1, not exactly 1.
     assert s.min() > 0.5 and s.max() < 1.3, s
+
+
+class DtypesSeen(TorchDispatchMode):
+    """Records the dtype of every tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def muon_of(ns_dtype: str, monkeypatch, native: bool) -> Muon:
+    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AMX"] if native else [])
+    model = GPT(ModelConfig(depth=1, d_model=32, n_head=2, seq_len=8), vocab_size=50)
+    return build_optimizers(model.param_groups(), OptimConfig(ns_dtype=ns_dtype), "cpu")[1]
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_newton_schulz_dtype_follows_native_bf16(monkeypatch, native, expected):
+    assert muon_of("auto", monkeypatch, native).ns_dtype == expected
+    assert muon_of("fp32", monkeypatch, True).ns_dtype == torch.float32  # explicit settings win
+    assert muon_of("bf16", monkeypatch, False).ns_dtype == torch.bfloat16
+
+
+def test_an_fp32_muon_step_never_touches_bf16():
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(16, 24))
+    opt = Muon([W], lr=0.02, ns_dtype=torch.float32)
+    (W ** 2).sum().backward()
+    with DtypesSeen() as seen:
+        opt.step()
+    assert seen.dtypes == {torch.float32}
+
+
+def test_an_unknown_newton_schulz_dtype_is_refused():
+    with pytest.raises(ConfigError, match="optim.ns_dtype='fp16' is not allowed: choose one of auto, bf16, fp32"):
+        OptimConfig(ns_dtype="fp16")
 
 
 def test_same_shape_matrices_are_orthogonalised_as_a_batch():
