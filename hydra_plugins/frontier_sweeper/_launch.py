@@ -1,0 +1,130 @@
+"""Trials dispatched through a Hydra launcher (`hydra/launcher=submitit_slurm`, `submitit_local`,
+`ray`, ...) instead of the built-in per-device workers (`hydra/launcher=basic`, the default).
+
+Each of the `sweep.n_jobs` workers still asks the study for one trial at a time and tells it how
+the trial ended; only the run itself happens in the launcher's job: the same task function
+(`frontier.train`'s main, in the job's process) with the same overrides, in the same run directory
+`<hydra.sweep.dir>/<trial number>`. The trial reports its checkpoints to the study's storage from
+wherever it runs, so pruning works as with the built-in workers as long as that storage is
+reachable from the job (PostgreSQL, or a journal file on a shared disk).
+
+Devices: a scheduler (SLURM, Ray) gives each job its own; a local launcher (submitit_local) would
+give every job the same CUDA_VISIBLE_DEVICES, so each worker pins its trials to its own device(s)
+through `hydra.job.env_set`, which Hydra applies in the job before the task function starts.
+
+submitit jobs are submitted one per trial with a handle kept, so that Ctrl-C / SIGTERM of the sweep
+cancels the jobs still running (scancel on SLURM). Other launchers go through `Launcher.launch`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+
+from frontier.config import ConfigError
+from hydra_plugins.frontier_sweeper._space import as_override
+
+log = logging.getLogger(__name__)
+
+LOCAL_LAUNCHERS = ("LocalLauncher", "JoblibLauncher")  # jobs on this machine: pin their devices
+
+
+def is_builtin(launcher) -> bool:
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+    return launcher is None or type(launcher) is BasicLauncher
+
+
+class LaunchedTrials:
+    """Runs one trial at a time per calling worker thread through `launcher`."""
+
+    def __init__(self, launcher, devices_per_trial: int):
+        self.launcher = launcher
+        self.name = type(launcher).__name__
+        self.local = self.name in LOCAL_LAUNCHERS
+        if devices_per_trial > 1:
+            raise ConfigError(f"sweep.devices_per_trial={devices_per_trial} is not allowed with a Hydra "
+                              f"launcher ({self.name}): a launched trial is one process; run several "
+                              "devices per trial with the built-in workers (hydra/launcher=basic)")
+        self.submitit = hasattr(launcher, "_EXECUTOR")  # hydra-submitit-launcher's Local/SlurmLauncher
+        self.lock = threading.Lock()
+        self.jobs: set = set()  # submitit jobs still running
+        self.cancelled = False
+
+    def run(self, overrides: list[str], number: int, run_dir: Path, env: dict[str, str]) -> int:
+        """Runs the trial with `env` set in its job; returns 0 when its task function returned, else 1 (the reason is the
+        last line of run_dir/output.log, which holds the job's stdout and stderr)."""
+        overrides = list(overrides) + [f"hydra.sweep.dir={run_dir.parent}", f"hydra.sweep.subdir={run_dir.name}"]
+        # Hydra sets these in the job before the task function starts (a local job's devices, the driver)
+        overrides += [as_override(f"++hydra.job.env_set.{key}", value) for key, value in env.items()]
+        output = run_dir / "output.log"
+        try:
+            result = self._submitit(overrides, number, output) if self.submitit else \
+                self.launcher.launch([overrides], initial_job_idx=number)[0]
+        except Exception as err:  # the job died (killed, node lost) or could not be submitted
+            message = str(err).strip().splitlines()
+            _append(output, f"error: {self.name} job ended without a result: "
+                            f"{message[-1] if message else type(err).__name__}")
+            return 1
+        if result.status == JobStatus.COMPLETED:
+            return 0
+        error = result._return_value
+        _append(output, f"error: {type(error).__name__}: {error}")
+        return 1
+
+    def _submitit(self, overrides: list[str], number: int, output: Path) -> JobReturn:
+        executor = submitit_executor(self.launcher)
+        with self.lock:
+            if self.cancelled:
+                raise RuntimeError("interrupted before it was submitted")
+            job = executor.submit(self.launcher, overrides, "hydra.sweep.dir", number, f"job_id_for_{number}",
+                                  Singleton.get_state())
+            self.jobs.add(job)
+        log.info(f"trial {number} is {self.name} job {job.job_id}")
+        try:
+            while not job.done():
+                time.sleep(1.0)
+            return job.result()
+        finally:
+            with self.lock:
+                self.jobs.discard(job)
+            for path in (job.paths.stdout, job.paths.stderr):  # one log per trial, as the built-in workers write
+                if path.exists():
+                    _append(output, path.read_text(errors="replace"))
+
+    def terminate(self) -> None:
+        """Cancels every job still running (Ctrl-C or SIGTERM of the sweep)."""
+        with self.lock:
+            self.cancelled = True
+            jobs = list(self.jobs)
+        for job in jobs:
+            try:
+                job.cancel(check=False)
+            except Exception as err:  # already gone
+                log.warning(f"could not cancel job {job.job_id}: {err}")
+
+
+def submitit_executor(launcher):
+    """The executor BaseSubmititLauncher.launch builds, for one job at a time."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    kind = launcher._EXECUTOR
+    params = dict(launcher.params)
+    init = {"folder": params.pop("submitit_folder")}
+    if "max_num_timeout" in params:
+        init[f"{kind}_max_num_timeout"] = params.pop("max_num_timeout")
+    executor = submitit.AutoExecutor(cluster=kind, **init)
+    shared = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{key if key in shared else f"{kind}_{key}": value for key, value in params.items()})
+    return executor
+
+
+def _append(path: Path, text: str) -> None:
+    with open(path, "a") as out:
+        out.write(text if text.endswith("\n") else text + "\n")
