@@ -139,13 +139,13 @@ def test_adamw_is_fused_on_cuda_and_steps_like_the_unfused_one():
     [plain] = build_optimizers(twin.param_groups(), OptimConfig(name="adamw"), "cpu")  # the same, unfused
     assert fused.defaults["fused"] and not plain.defaults["fused"]
     idx = torch.randint(0, VOCAB, (2, 1024), device="cuda")
-    for m, opt in ((model, fused), (twin, plain)):
-        for _ in range(3):
-            opt.zero_grad()
-            m(idx, idx.roll(-1, 1)).backward()
-            opt.step()
+    model(idx, idx.roll(-1, 1)).backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        b.grad = a.grad.clone()  # the same gradients: only the optimizers differ
+    fused.step()
+    plain.step()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_the_gpu_check_dry_runs_on_a_machine_without_cuda(tmp_path):
