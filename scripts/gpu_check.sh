@@ -13,7 +13,7 @@
 #              chunked head loss, SDPA's flash path for full-causal layers, bf16 autocast, fused AdamW
 #   bench      python -m frontier.bench at seq 1024 over models [base, deep_swa] x kernels
 #              [reference, compiled, triton]; MFU against the H200's 989 TFLOP/s dense bf16
-#   train      a budgeted (120 s) model=base kernel=compiled run, periodic evaluation off:
+#   train      a budgeted (120 s) model=base kernel=compiled run, periodic evaluation and resume.pt off:
 #              val_bpb, budget_utilization, startup_seconds, step_time_fraction, peak GPU memory
 #   torchrun   the same under torchrun --standalone --nproc_per_node=1 (nccl), shorter
 # Without CUDA every part is skipped, saying it needs a GPU, after checking what a CPU can: the gpu
@@ -147,7 +147,7 @@ dry_part() {  # dry_part NAME WHAT COMMAND...: skipped for want of a GPU, after 
 
 TRAIN_ARGS=(model=base kernel=compiled device=cuda precision=bf16 "data.path=$DATA" "data.cache_dir=$WORK/cache"
             "train.batch_tokens=$BATCH_TOKENS" "train.device_batch_rows=$DEVICE_ROWS" eval.every_fraction=0
-            tracking.enabled=false)
+            checkpoint.every_fraction=0 tracking.enabled=false)
 [[ -n $TOKENIZER ]] && TRAIN_ARGS+=("data.tokenizer_path=$(realpath "$TOKENIZER")")
 BENCH_GRID=("bench.models=[base,deep_swa]" "bench.kernels=[reference,compiled,triton]")
 TESTS=("$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_gpu.py "--junitxml=$OUT/gpu_tests.xml")
