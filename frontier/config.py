@@ -314,10 +314,13 @@ class TrialConfig:
     study: Optional[str] = None
     storage: Optional[str] = None
     number: Optional[int] = None
+    heartbeat_interval: Optional[int] = None  # seconds between the trial's heartbeats (null: none)
+    grace_period: float = 120.0  # a driver on another machine silent this long is gone
 
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp")
 PRUNERS = ("hyperband", "successive_halving", "median", "none")
+OBJECTIVES = ("val_bpb", "composite", "pareto")
 
 
 @dataclass
@@ -340,14 +343,26 @@ class SweepConfig:
     seed: Optional[int] = 0
     n_startup_trials: int = 10  # tpe, gp, cmaes: random trials before the model guides the search
     pruner: str = "hyperband"  # hyperband | successive_halving | median | none
+    objective: str = "val_bpb"  # val_bpb | composite (phase-2 score as a loss) | pareto (val_bpb and core)
+    composite_val_bpb: list[float] = field(default_factory=lambda: [1.5, 0.8])  # [worst, best] anchors
+    composite_core: list[float] = field(default_factory=lambda: [0.0, 0.25])  # [worst, best] anchors
+    count_failed: bool = True  # false: failed trials do not count toward n_trials (max_failures still stops)
     min_resource: int = 1  # the first checkpoint at which a trial can be pruned
     reduction_factor: int = 3  # hyperband, successive_halving: keep 1 in this many at each rung
-    heartbeat_interval: int = 30  # seconds between a running trial's heartbeats
-    grace_period: int = 120  # a RUNNING trial silent this long is marked FAIL (its process died)
+    heartbeat_interval: int = 30  # seconds between a running trial's (and a driver's) heartbeats
+    grace_period: int = 120  # a trial silent this long is killed and FAIL; a silent driver is gone
+    # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
+    # + an evaluation allowance (see trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
+    trial_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
         _choice("sweep.pruner", self.pruner, PRUNERS)
+        _choice("sweep.objective", self.objective, OBJECTIVES)
+        for key in ("composite_val_bpb", "composite_core"):
+            anchors = getattr(self, key)
+            _require(len(anchors) == 2 and anchors[0] != anchors[1], f"sweep.{key}", anchors,
+                     "two different values, [worst, best]")
         _require(self.n_trials is None or self.n_trials >= 1, "sweep.n_trials", self.n_trials,
                  "a positive integer or null")
         _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,
@@ -361,6 +376,8 @@ class SweepConfig:
         _require(self.reduction_factor >= 2, "sweep.reduction_factor", self.reduction_factor, "must be >= 2")
         _require(self.heartbeat_interval >= 1, "sweep.heartbeat_interval", self.heartbeat_interval,
                  "must be >= 1 second")
+        _require(self.trial_timeout is None or self.trial_timeout > 0, "sweep.trial_timeout",
+                 self.trial_timeout, "positive seconds or null")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
 

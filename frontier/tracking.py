@@ -20,7 +20,7 @@ After the run is created, everything is logged from a background thread: a slow 
 server never stalls the training loop, and a logging error is reported once and then logging
 stops, while the run itself goes on to write its summary.json.
 
-The sweeper uses `ensure_store`, `start_parent_run` and `end_parent_run`; each trial becomes a
+The sweeper uses `ensure_store`, `start_parent_run`, `end_parent_run` and `close_runs`; each trial becomes a
 child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
 """
 from __future__ import annotations
@@ -109,11 +109,21 @@ def ensure_store(uri: str) -> None:
         raise ConfigError(f"tracking.uri={uri} could not be opened ({_oneline(err)})") from None
 
 
-def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict) -> str:
-    """A sweep's parent run; trials nest under it through `tracking.parent_run_id`."""
+def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None) -> str:
+    """A sweep's parent run; trials nest under it through `tracking.parent_run_id`. `run_id`: the
+    study's parent run, which every driver of the study continues (reopened when it had ended)."""
     uri = tracking_uri(tracking_cfg)
     ensure_store(uri)
     client = MlflowClient(uri)
+    if run_id:
+        try:
+            existing = _retry(client.get_run, run_id)
+        except MlflowException:  # deleted, or another store: start a new one
+            existing = None
+        if existing is not None and existing.info.lifecycle_stage == "active":
+            if existing.info.status != "RUNNING":
+                _retry(client.update_run, run_id, status="RUNNING")
+            return run_id
     experiment_id = _experiment_id(client, uri, tracking_cfg.experiment)
     all_tags = {RUN_KIND_TAG: "sweep", **_source_tags(), **{k: str(v) for k, v in tags.items()}}
     run = _retry(client.create_run, experiment_id, run_name=name, tags=_clip_tags(all_tags))
@@ -131,6 +141,15 @@ def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
         _retry(client.log_artifact, run_id, str(path))
     _retry(client.set_tag, run_id, "status", status)
     _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
+
+
+def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> None:
+    """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`."""
+    client = MlflowClient(tracking_uri(tracking_cfg))
+    for run_id in run_ids:
+        if _retry(client.get_run, run_id).info.status == "RUNNING":
+            _retry(client.set_tag, run_id, "status", status)
+            _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
 
 
 # -----------------------------------------------------------------------------

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -21,14 +24,14 @@ from hydra.core.global_hydra import GlobalHydra
 from optuna.trial import TrialState
 
 from frontier.config import ConfigError
-from frontier.trial import STALE_REASON, fail_stale_trials, open_storage
+from frontier.study import STALE_REASON, Process, open_storage, settle_orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000",
     "budget.seconds=5", "budget.max_steps=4", "budget.excluded_steps=0",
     "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
-    "eval.every_fraction=0.25", "tracking.enabled=false",
+    "eval.every_fraction=0.25", "tracking.enabled=false", "precision=fp32",
 ]
 POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -61,10 +64,11 @@ def states(study: optuna.Study) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tpe_sweep(tmp_path_factory):
-    """sweep=lr with TPE: 4 trials, then the same command asking for 6 in total."""
+    """sweep=lr with TPE: 4 trials, then the same command asking for 6 in total, all in TPE's
+    random start-up (where a shared seed used to repeat the first run's points)."""
     tmp = tmp_path_factory.mktemp("tpe")
     storage = str(tmp / "study.journal")
-    args = ["sweep=lr", "sweep.n_jobs=2", "sweep.n_startup_trials=2", "sweep.pruner=none",
+    args = ["sweep=lr", "sweep.n_jobs=2", "sweep.n_startup_trials=10", "sweep.pruner=none",
             f"sweep.storage={storage}", "sweep.study_name=tpe"]
     run_sweep(tmp / "first", *args, "sweep.n_trials=4")
     second = run_sweep(tmp / "second", *args, "sweep.n_trials=6")
@@ -81,6 +85,7 @@ def test_tpe_sweep_completes_and_resumes_to_the_total_asked(tpe_sweep):
     assert sorted(p.name for p in (tmp / "second").iterdir() if p.name.isdigit()) == ["4", "5"]
     assert {tuple(sorted(t.params)) for t in trials} == {
         ("optim.embedding_lr", "optim.matrix_lr", "optim.unembedding_lr")}
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 6  # the re-run repeated no point
     best = study.best_trial
     assert f"best: trial {best.number}, val_bpb {best.value:.4f}" in second.stdout
     assert "optim.matrix_lr=" in " ".join(best.user_attrs["overrides"])
@@ -175,6 +180,7 @@ def check_shared(tmp_path: Path, study: optuna.Study, n_trials: int) -> None:
     trials = study.get_trials(deepcopy=False)
     assert sorted(t.number for t in trials) == list(range(n_trials))
     assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == n_trials  # no repeated proposal
     dirs = [p.name for i in range(2) for p in (tmp_path / f"worker{i}").iterdir() if p.name.isdigit()]
     assert sorted(dirs) == [str(n) for n in range(n_trials)]  # each trial ran once, in one worker
 
@@ -183,20 +189,6 @@ def test_two_workers_share_a_journal_file(tmp_path):
     storage = str(tmp_path / "study.journal")
     run_two_workers(tmp_path, storage, "shared", 3)
     check_shared(tmp_path, load(storage, "shared"), 3)
-
-
-def test_two_workers_share_a_postgresql_study(tmp_path):
-    try:
-        storage = open_storage(POSTGRES)
-    except Exception as err:
-        print(f"skipped: no PostgreSQL answers at {POSTGRES} ({type(err).__name__})")
-        pytest.skip(f"no PostgreSQL server at {POSTGRES}")
-    name = f"test-sweep-{uuid.uuid4().hex[:8]}"
-    try:
-        run_two_workers(tmp_path, POSTGRES, name, 2)
-        check_shared(tmp_path, optuna.load_study(study_name=name, storage=storage), 2)
-    finally:
-        optuna.delete_study(study_name=name, storage=storage)
 
 
 # -----------------------------------------------------------------------------
@@ -277,7 +269,115 @@ def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
     dead, alive = study.ask(), study.ask()
     storage.set_trial_system_attr(dead._trial_id, "heartbeat", time.time() - 60)
     storage.record_heartbeat(alive._trial_id)
-    assert fail_stale_trials(study) == [dead.number]
+    assert [t.number for t in settle_orphans(study)] == [dead.number]
     dead_trial, alive_trial = study.get_trials(deepcopy=False)
     assert dead_trial.state == TrialState.FAIL and dead_trial.user_attrs["fail_reason"] == STALE_REASON
     assert alive_trial.state == TrialState.RUNNING
+
+
+def test_an_orphaned_trial_keeps_a_finished_result_and_fails_otherwise(tmp_path):
+    """A trial left RUNNING by a process that died: its summary.json decides, else FAIL with why."""
+    study = optuna.create_study(study_name="orphans", storage=open_storage(str(tmp_path / "study.journal")))
+    finished, crashed = study.ask(), study.ask()
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    for trial in (finished, crashed):
+        trial.set_user_attr("process", str(Process(socket.gethostname(), exited.pid, "")))
+        trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "FINISHED", "val_bpb": 3.25, "steps": 7}))
+    assert [t.number for t in settle_orphans(study)] == [0, 1]
+    done, failed = study.get_trials(deepcopy=False)
+    assert done.state == TrialState.COMPLETE and done.value == 3.25 and done.user_attrs["steps"] == 7
+    assert failed.state == TrialState.FAIL
+    assert failed.user_attrs["fail_reason"] == "its process exited without a result"
+
+
+# -----------------------------------------------------------------------------
+# Proposals: distinct across drivers and re-runs, reproducible for one driver
+
+
+def storages(tmp_path: Path) -> list[str]:
+    found = [str(tmp_path / "study.journal")]
+    try:
+        open_storage(POSTGRES)
+        found.append(POSTGRES)
+    except Exception as err:
+        print(f"PostgreSQL not tested: no server answers at {POSTGRES} ({type(err).__name__})")
+    return found
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, sampler):
+    for storage in storages(tmp_path):
+        name = f"seeds-{sampler}-{uuid.uuid4().hex[:8]}"
+        args = ["sweep=lr", f"sweep.sampler={sampler}", f"sweep.storage={storage}", f"sweep.study_name={name}"]
+        try:
+            first, second = compose_sweep(*args), compose_sweep(*args)  # two drivers, the same sweep.seed
+            asked = [driver.next_trial() for driver in (first, second, first, second)]
+            assert [t.number for t in asked] == [0, 1, 2, 3]
+            assert len({tuple(sorted(t.params.items())) for t in asked}) == 4
+            # the same study run again from scratch (one driver) proposes the same points
+            again = compose_sweep(*args[:-1], f"sweep.study_name={name}-again")
+            try:
+                assert [again.next_trial().params for _ in range(4)] == [t.params for t in asked]
+            finally:
+                optuna.delete_study(study_name=f"{name}-again", storage=again.study._storage)
+        finally:
+            optuna.delete_study(study_name=name, storage=open_storage(storage))
+
+
+# -----------------------------------------------------------------------------
+# The trial's side: exact checkpoints, its own end, its driver
+
+
+def reporter_for(tmp_path: Path, driver: Process | None = None):
+    from frontier.trial import TrialReporter
+
+    study = optuna.create_study(study_name="reporter", storage=open_storage(str(tmp_path / "study.journal")),
+                                load_if_exists=True)
+    run = SimpleNamespace(summary={}, run_dir=tmp_path)
+    return study, TrialReporter(run, study, study.ask(), driver, heartbeat_interval=None, grace_period=120)
+
+
+def test_the_trial_reports_each_checkpoint_where_it_was_measured_and_tells_its_end(tmp_path):
+    study, reporter = reporter_for(tmp_path)
+    reporter.on_checkpoint(1, 3.0, 10, 0.2504)
+    reporter.on_checkpoint(2, 2.9, 30, 0.7612)  # one long step crossed marks 2 and 3: each is reported
+    reporter.on_checkpoint(3, 2.9, 30, 0.7612)
+    reporter.on_end({"status": "FINISHED", "val_bpb": 2.5, "progress": 1.0, "steps": 40}, "FINISHED", None)
+    (trial,) = study.get_trials(deepcopy=False)
+    assert trial.state == TrialState.COMPLETE and trial.value == 2.5
+    assert trial.intermediate_values == {1: 3.0, 2: 2.9, 3: 2.9}
+    assert trial.user_attrs["checkpoint_fractions"] == {"1": 0.2504, "2": 0.7612, "3": 0.7612}
+    assert trial.user_attrs["budget_fraction"] == 1.0 and trial.user_attrs["steps"] == 40
+
+
+def test_a_trial_whose_driver_is_gone_stops_itself_and_says_why(tmp_path):
+    lifecycle = pytest.importorskip("frontier.lifecycle")
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    lifecycle._reset()
+    try:
+        study, reporter = reporter_for(tmp_path, Process(socket.gethostname(), exited.pid, ""))
+        reason = f"its sweep driver (pid {exited.pid} on {socket.gethostname()}) has exited"
+        for _ in range(50):
+            if lifecycle.stop_requested():
+                break
+            time.sleep(0.1)
+        assert lifecycle.stop_requested() == reason
+        reporter.on_end({"status": "KILLED", "error": lifecycle.stop_requested(), "progress": 0.1}, "KILLED",
+                        lifecycle.stop_requested())
+    finally:
+        lifecycle._reset()
+    (trial,) = study.get_trials(deepcopy=False)
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == reason
+
+
+def test_only_an_unexplained_sigkill_suggests_memory(tmp_path):
+    from hydra_plugins.frontier_sweeper._study import describe_exit
+
+    (tmp_path / "output.log").write_text("step 3\nValueError: boom\n")
+    assert describe_exit(1, tmp_path / "output.log") == "ValueError: boom"
+    assert describe_exit(-signal.SIGTERM, tmp_path / "output.log") == "killed by SIGTERM"
+    assert "out of host memory" in describe_exit(-signal.SIGKILL, tmp_path / "output.log")

@@ -2,14 +2,17 @@
 
 `sweep.n_jobs` worker threads each loop: ask the study for a trial (under a lock that keeps
 `n_trials` exact across processes and machines), run it as `python -m frontier.train ...` in a
-process of its own pinned to the worker's device, then tell the study how it ended. A new trial
+process of its own pinned to the worker's device, and supervise it until it ends. A new trial
 starts as soon as any ends: there is no batch barrier. The trial's process reports its
-checkpoints to the same storage (frontier/trial.py), where the pruner decides. Another machine
-running the same command against the same storage joins the study.
+checkpoints to the same storage (frontier/trial.py), where the pruner decides, sends its own
+heartbeat, and tells the study how it ended; this driver ends a trial only when its process
+could not (killed for silence or for running past `sweep.trial_timeout`, or crashed). Another
+machine running the same command against the same storage joins the study, and its MLflow
+parent run.
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
 import os
@@ -26,11 +29,14 @@ from pathlib import Path
 import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
-from optuna.storages._heartbeat import get_heartbeat_thread
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from frontier.config import ConfigError, SweepConfig
-from frontier.trial import ask_lock, build_pruner, default_storage, fail_stale_trials, is_rdb, open_storage
+from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial, is_rdb,
+                            live_drivers, open_storage, outcome, read_summary, record_driver, settle_orphans,
+                            trial_seed)
+from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
+from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
 
 log = logging.getLogger(__name__)
@@ -101,8 +107,38 @@ class GridSampler(optuna.samplers.GridSampler):
         pass
 
 
-def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
-    seed, startup = sweep.seed, sweep.n_startup_trials
+class PerTrialSeed(optuna.samplers.BaseSampler):
+    """A sampler made afresh for each trial, seeded from `sweep.seed` and the trial's number: two
+    drivers of one study, or a re-run asking for more trials, never repeat a proposal because they
+    share a seed, and a study run again from scratch proposes the same points."""
+
+    def __init__(self, make, seed: int | None):
+        self.make, self.seed = make, seed
+        self.inner = make(seed)  # also checks the settings up front
+
+    def before_trial(self, study, trial) -> None:
+        self.inner = self.make(trial_seed(self.seed, trial.number))
+        self.inner.before_trial(study, trial)
+
+    def infer_relative_search_space(self, study, trial):
+        return self.inner.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.inner.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self.inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.inner.reseed_rng()
+
+
+def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution],
+                 seed: int | None) -> optuna.samplers.BaseSampler:
+    startup = sweep.n_startup_trials
     if sweep.sampler == "tpe":
         # Optuna 5 changed TPE's defaults: the settings that matter are pinned here. constant_liar
         # keeps parallel workers from proposing the same point as a trial that is still running.
@@ -154,10 +190,20 @@ def trainer_command(per_trial: int = 1) -> list[str]:
     return [sys.executable, *program]
 
 
+def default_trial_timeout(budget) -> float:
+    """How long a trial may run: its charged budget, the start-up time forgiven up to
+    budget.startup_cap_seconds, and an allowance for what is never charged (checkpoint and final
+    evaluations, CORE): half the budget again, at least 10 minutes."""
+    return budget.seconds + budget.startup_cap_seconds + max(600.0, 0.5 * budget.seconds)
+
+
 def describe_exit(returncode: int, log_path: Path) -> str:
+    """Why a trial's process ended without telling the study. A kill by this driver never gets
+    here (it records its reason first), so an unexplained SIGKILL is most likely the kernel's."""
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        return f"killed by {name}" + (" (out of host memory?)" if name == "SIGKILL" else "")
+        return f"killed by {name}" + (" (not by its driver: by hand, or by the kernel when out of host "
+                                      "memory?)" if name == "SIGKILL" else "")
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1] if lines else f"exit code {returncode}"
 
@@ -172,35 +218,45 @@ def safe_storage(spec: str) -> str:
 
 
 class Sweep:
-    def __init__(self, config: DictConfig, arguments: list[str], config_loader) -> None:
+    def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config = config
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
         self.space, self.fixed = parse(self.sweep.params, arguments)
+        self.objective = Objective(self.sweep, config.eval.core, config.eval.core_bundle, self.fixed)
+        self.fixed += self.objective.trial_overrides(self.fixed)
+        # a Hydra launcher other than the basic one runs each trial as its job (_launch.py)
+        self.launched = None if is_builtin(launcher) else LaunchedTrials(launcher, self.sweep.devices_per_trial)
         self.study_name = self.sweep.study_name or self.sweep.name
         self.storage_spec = self.sweep.storage or default_storage(self.study_name)
-        self.slots = device_slots(config.device, self.sweep.n_jobs, self.sweep.devices_per_trial)
+        if self.launched is not None and not self.launched.local:  # the scheduler gives each job its devices
+            self.slots = [Slot(f"{self.launched.name} job", {}) for _ in range(self.sweep.n_jobs)]
+        else:
+            self.slots = device_slots(config.device, self.sweep.n_jobs, self.sweep.devices_per_trial)
         self.pruner = pruner_settings(self.sweep, config.eval.every_fraction)
-        self.sampler = make_sampler(self.sweep, self.space)
+        self.sampler = PerTrialSeed(lambda seed: make_sampler(self.sweep, self.space, seed), self.sweep.seed)
         self.n_trials = self.sweep.n_trials
-        if isinstance(self.sampler, GridSampler):  # each point once
+        if self.sweep.sampler == "grid":  # each point once
             size = math.prod(len(v) for v in grid_values(self.space).values())
             self.n_trials = min(self.n_trials or size, size)
         if self.n_trials is None and self.sweep.timeout is None:
             raise ConfigError("sweep.n_trials=null is not allowed without sweep.timeout: set either of them")
         self.check_composes(config_loader)
+        self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.study = self.open_study()
         self.command = trainer_command(self.sweep.devices_per_trial)
         self.lock = threading.Lock()  # one ask or tell at a time in this process
         self.stopping = threading.Event()
+        self.ended = threading.Event()  # this driver is done: its heartbeat stops
         self.stop_reason = ""
         self.errors: list[BaseException] = []
         self.failures = 0
         self.busy_seconds = 0.0
-        self.processes: set[subprocess.Popen] = set()
-        self.terminated: set[subprocess.Popen] = set()  # trials this sweeper stopped (Ctrl-C, SIGTERM)
+        self.processes: dict[subprocess.Popen, optuna.Trial] = {}
+        self.killed: dict[subprocess.Popen, str] = {}  # trials this driver stopped, and why
         self.start = time.monotonic()
         self.parent_run_id = None
+        self.driver = Process.this()
 
     def check_composes(self, config_loader) -> None:
         """Every trial's overrides must compose (keys exist, types fit) before any trial starts."""
@@ -219,29 +275,37 @@ class Sweep:
     def open_study(self) -> optuna.Study:
         try:
             storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
-            study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
-                                        pruner=build_pruner(**self.pruner), direction="minimize",
-                                        load_if_exists=True)
+            exists = self.study_name in {s.study_name for s in storage.get_all_studies()}
         except Exception as err:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
                               f"({type(err).__name__}: {str(err).splitlines()[0]}): give a reachable "
                               "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
-        ran_with = study.user_attrs.get("overrides")
-        if study.trials and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
-            raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
-                              f"ran with the overrides {ran_with}, this command has {self.fixed}; "
-                              "choose another sweep.study_name")
+        if exists:  # checked before anything is written: a refused command leaves the study as it was
+            study = optuna.load_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
+                                      pruner=build_pruner(**self.pruner))
+            self.objective.check_study(study)
+            ran_with = study.user_attrs.get("overrides")
+            if study.trials and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
+                raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
+                                  f"ran with the overrides {ran_with}, this command has {self.fixed}; "
+                                  "choose another sweep.study_name")
+        else:  # load_if_exists: another driver may create it at the same moment
+            study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
+                                        pruner=build_pruner(**self.pruner), directions=self.objective.directions,
+                                        load_if_exists=True)
+            self.objective.check_study(study)
         study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
                                       "space": {k: str(v) for k, v in self.space.items()},
                                       "sampler": self.sweep.sampler, "seed": self.sweep.seed})
         study.set_user_attr("pruner", self.pruner)
+        study.set_user_attr("objective", self.objective.describe())
         study.set_user_attr("overrides", self.fixed)
         study.set_user_attr("every_fraction", self.config.eval.every_fraction)
         study.set_user_attr("budget_seconds", self.config.budget.seconds)
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
         return study
 
-    # -- MLflow: one parent run per command; each trial's run is nested under it ------------------
+    # -- MLflow: one parent run per study, which every driver continues; trials nest under it ------
 
     def start_tracking(self) -> None:
         if not self.config.tracking.enabled:
@@ -259,24 +323,58 @@ class Sweep:
                   "overrides": " ".join(self.fixed)}
         params.update({f"space.{key}": str(dist) for key, dist in self.space.items()})
         tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name}
-        self.parent_run_id = tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags)
-        self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
-        self.study.set_user_attr("mlflow_tracking_uri", tracking.tracking_uri(cfg))
+        uri = tracking.tracking_uri(cfg)
+        with self.locked():  # two drivers starting together must not create two parent runs
+            attrs = self.study.user_attrs
+            existing = attrs.get("mlflow_run_id") if attrs.get("mlflow_tracking_uri") == uri else None
+            self.parent_run_id = tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags,
+                                                           run_id=existing)
+            self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
+            self.study.set_user_attr("mlflow_tracking_uri", uri)
 
     def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
-        if self.parent_run_id is None:
+        """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
+        with self.locked():
+            record_driver(self.study, self.driver, ended=True)
+            others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
+            if self.parent_run_id is None:
+                return
+            if others:
+                log.info(f"the study's MLflow run goes on: {len(others)} other driver(s) still run trials")
+                return
+            from frontier import tracking
+
+            tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
+                                    metrics, artifacts)
+
+    def close_trial_runs(self, trials: list[FrozenTrial]) -> None:
+        """MLflow runs of FAIL trials whose process died before it could end them: KILLED."""
+        run_ids = [t.user_attrs["mlflow_run_id"] for t in trials
+                   if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id")]
+        if not run_ids or not self.config.tracking.enabled:
             return
         from frontier import tracking
 
-        tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
-                                metrics, artifacts)
+        try:
+            tracking.close_runs(OmegaConf.to_object(self.config.tracking), run_ids, "KILLED")
+        except Exception as err:  # the study is right; MLflow catches up when the store is back
+            log.warning(f"could not close the MLflow runs {run_ids}: {type(err).__name__}: {err}")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """This process's lock, then the study's lock across processes and machines."""
+        with self.lock, ask_lock(self.storage_spec, self.study._storage, self.study_name):
+            yield
 
     # -- the workers ----------------------------------------------------------------------------
 
     def next_trial(self) -> optuna.Trial | None:
-        with self.lock, ask_lock(self.storage_spec, self.study._storage, self.study_name):
-            for number in fail_stale_trials(self.study):
-                log.warning(f"trial {number} FAIL: its process stopped sending heartbeats")
+        with self.locked():
+            settled = settle_orphans(self.study, skip={t._trial_id for t in self.processes.values()})
+            for trial in settled:
+                reason = trial.user_attrs.get("fail_reason") or f"value {trial.value}"
+                log.warning(f"trial {trial.number} {trial.state.name}: its process is gone ({reason})")
+            self.close_trial_runs(settled)
             if not self.stopping.is_set():
                 self.stop_reason = self.limit_reached()
                 if self.stop_reason:
@@ -288,14 +386,14 @@ class Sweep:
                 return self.study.ask(self.space)
 
     def limit_reached(self) -> str:
-        count = len(self.study.get_trials(deepcopy=False))
+        count = counted_trials(self.study, self.sweep.count_failed)
         if self.n_trials is not None and count >= self.n_trials:
             return f"the study has {count} trials (sweep.n_trials={self.n_trials})"
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
-        if isinstance(self.sampler, GridSampler) and self.sampler.is_exhausted(self.study):
+        if self.sweep.sampler == "grid" and self.sampler.inner.is_exhausted(self.study):
             return "every point of the grid has been run"
         return ""
 
@@ -319,59 +417,100 @@ class Sweep:
         params = [as_override(key, value) for key, value in trial.params.items()]
         overrides = self.fixed + params
         extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
-                 f"trial.number={trial.number}", as_override("hydra.run.dir", str(run_dir))]
+                 f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
+                 f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir))]
         if self.parent_run_id is not None:
             extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
         for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
-                           "device": slot.label}.items():
+                           "device": slot.label, "driver": str(self.driver)}.items():
             trial.set_user_attr(key, value)
         log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}")
-        output = run_dir / "output.log"
         started = time.monotonic()
-        with open(output, "w") as out, get_heartbeat_thread(trial._trial_id, self.study._storage):
-            # a session of its own: Ctrl-C reaches the sweeper only, which stops each trial once
+        self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
+        if self.launched is not None:  # a job of the Hydra launcher runs the trial (_launch.py)
+            (run_dir / "output.log").write_text("")
+            returncode = self.launched.run(overrides + extra, trial.number, run_dir,
+                                           {**slot.env, DRIVER_ENV: str(self.driver)})
+            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started,
+                              "stopped by its driver (interrupted)" if self.launched.cancelled else None)
+            return
+        with open(run_dir / "output.log", "w") as out:
+            # a session of its own: Ctrl-C reaches the driver only, which stops each trial once;
+            # the trial learns its driver from the environment, and stops when the driver is gone
             process = subprocess.Popen(self.command + overrides + extra, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **slot.env}, start_new_session=True)
-            self.processes.add(process)
-            returncode = process.wait()
-            self.processes.discard(process)
-        seconds = time.monotonic() - started
-        self.finish_trial(trial, returncode, run_dir, seconds, process in self.terminated)
+                                       env={**os.environ, **slot.env, DRIVER_ENV: str(self.driver)},
+                                       start_new_session=True)
+            self.processes[process] = trial
+            try:
+                trial.set_user_attr("process", str(Process.this(process.pid)))
+                returncode = self.supervise(trial, process, started)
+                self.finish_trial(trial, returncode, run_dir, time.monotonic() - started,
+                                  self.killed.get(process))
+            finally:
+                if process.poll() is None:  # the storage went away meanwhile: no trial goes on unsupervised
+                    self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGKILL)
+                    process.wait()
+                self.processes.pop(process, None)
+
+    def supervise(self, trial: optuna.Trial, process: subprocess.Popen, started: float) -> int:
+        """Waits for the trial's process; kills it, and records the trial FAIL with why, when it runs
+        past sweep.trial_timeout or sends no heartbeat for sweep.grace_period."""
+        storage, study_id = self.study._storage, self.study._study_id
+        next_check = 0.0
+        while True:
+            try:
+                return process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if process in self.killed:  # stopped by the main thread (interrupted): wait for it to end
+                continue
+            elapsed = time.monotonic() - started
+            if elapsed > self.trial_timeout:
+                self.stop_trial(trial, process, f"killed by its driver: it ran past sweep.trial_timeout="
+                                                f"{self.trial_timeout:g} s", signal.SIGKILL)
+            elif elapsed >= next_check:  # a storage query: at the heartbeat cadence, not every second
+                next_check = elapsed + min(self.sweep.heartbeat_interval, 5)
+                if trial._trial_id in storage._get_stale_trial_ids(study_id):
+                    self.stop_trial(trial, process, f"killed by its driver: it sent no heartbeat for "
+                                                    f"sweep.grace_period={self.sweep.grace_period} s", signal.SIGKILL)
+
+    def stop_trial(self, trial: optuna.Trial, process: subprocess.Popen, reason: str, sig: int) -> None:
+        """Records the trial FAIL with `reason` first (a killed process cannot), then signals it:
+        SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one."""
+        self.killed[process] = reason
+        end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+        with contextlib.suppress(ProcessLookupError):  # its whole session: torchrun's ranks too
+            os.killpg(process.pid, sig)
 
     def finish_trial(self, trial: optuna.Trial, returncode: int, run_dir: Path, seconds: float,
-                     terminated: bool) -> None:
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        status, value = summary.get("status"), summary.get("val_bpb")
-        attrs = {"status": status, "seconds": round(seconds, 2)}
-        attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen") if key in summary})
-        if returncode == 0 and status == "FINISHED" and value is not None and math.isfinite(value):
-            state, message = TrialState.COMPLETE, f"val_bpb {value:.4f}"
-        elif returncode == 0 and status == "PRUNED":
-            state, value, message = TrialState.PRUNED, None, summary.get("error", "pruned")
-            attrs["prune_reason"] = message
-        else:
-            state, value = TrialState.FAIL, None
-            message = summary.get("error") or ("stopped by the sweeper (interrupted)" if terminated
-                                               else describe_exit(returncode, run_dir / "output.log"))
-            attrs["fail_reason"] = message
+                     killed: str | None) -> None:
+        """The trial's process told the study how it ended; where it could not, its summary.json
+        (if it got that far) or its exit status does."""
+        storage = self.study._storage
+        frozen = storage.get_trial(trial._trial_id)
+        if frozen.state == TrialState.RUNNING:
+            reason = killed or describe_exit(returncode, run_dir / "output.log")
+            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"))
+            end_trial(self.study, trial._trial_id, state, value, attrs)
+            frozen = storage.get_trial(trial._trial_id)
         with self.lock:
             self.busy_seconds += seconds
-            if state == TrialState.FAIL:
+            if frozen.state == TrialState.FAIL:
                 self.failures += 1
-            try:
-                for key, attr in attrs.items():
-                    trial.set_user_attr(key, attr)
-                self.study.tell(trial, value, state=state, skip_if_finished=True)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                log.warning(f"trial {trial.number} had already been ended by another worker")
-        log.info(f"trial {trial.number} {state.name} after {seconds:.0f} s: {message}")
+        self.close_trial_runs([frozen])
+        message = {TrialState.COMPLETE: ", ".join(f"{name} {value:.4f}" for name, value in
+                                                zip(self.objective.value_names, frozen.values or ())),
+                   TrialState.PRUNED: frozen.user_attrs.get("prune_reason", "pruned")}.get(
+            frozen.state, frozen.user_attrs.get("fail_reason", ""))
+        log.info(f"trial {trial.number} {frozen.state.name} after {seconds:.0f} s: {message}")
 
     # -- the whole sweep ------------------------------------------------------------------------
 
     def run(self) -> dict:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+        record_driver(self.study, self.driver)
+        threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True).start()
         self.start_tracking()
         log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
                  f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
@@ -392,10 +531,12 @@ class Sweep:
             status = "KILLED"
             self.stop_reason = "interrupted"
             self.stopping.set()
+            if self.launched is not None:
+                self.launched.terminate()
             while not all(event.is_set() for event in done):
-                for process in set(self.processes) - self.terminated:  # each trial ends KILLED, recorded FAIL
-                    self.terminated.add(process)
-                    process.terminate()
+                for process, trial in list(self.processes.items()):  # each trial ends KILLED, recorded FAIL
+                    if process not in self.killed:
+                        self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
                 time.sleep(0.2)
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
@@ -412,18 +553,31 @@ class Sweep:
                                f"output.log under {self.sweep_dir}")
         return result
 
+    def driver_heartbeat(self) -> None:
+        """This driver's heartbeat in the study: trials and drivers on other machines see it is alive."""
+        while not self.ended.wait(self.sweep.heartbeat_interval):
+            try:
+                record_driver(self.study, self.driver)
+            except Exception as err:  # the workers meet the same storage error and stop the sweep
+                log.warning(f"driver heartbeat: {type(err).__name__}: {err}")
+
     def report(self, status: str, utilization: float) -> dict:
         from frontier.sweep_report import write_report
 
         report = write_report(self.study, self.sweep_dir / "report")
         if report.get("best"):
             best = report["best"]
-            log.info(f"best: trial {best['number']}, val_bpb {best['value']:.4f}: "
+            log.info(f"best: trial {best['number']}, {best['text']}: "
                      f"python -m frontier.train {' '.join(best['overrides'])}")
+        if report["front"]:
+            log.info(f"pareto front (val_bpb, core): trials {report['front']}; see {self.sweep_dir / 'report'}")
         counts = report["counts"]
-        metrics = {"best_val_bpb": report["best"]["value"] if report.get("best") else math.nan,
+        best = report.get("best") or {}
+        metrics = {"best_val_bpb": best.get("val_bpb") or math.nan, "best_value": best.get("value", math.nan),
+                   "pareto_front_size": len(report["front"]),
                    "device_utilization": utilization,
                    **{f"trials_{state.lower()}": n for state, n in counts.items()}}
+        self.ended.set()
         self.end_tracking(status, metrics, report["files"])
         return report
 
@@ -441,5 +595,5 @@ def _comparable(overrides: list[str]) -> list[str]:
     return sorted(o for o in overrides if not o.lstrip("+~").startswith(("tracking.", "hydra.")))
 
 
-def run_sweep(config: DictConfig, arguments: list[str], config_loader) -> dict:
-    return Sweep(config, arguments, config_loader).run()
+def run_sweep(config: DictConfig, arguments: list[str], config_loader, launcher=None) -> dict:
+    return Sweep(config, arguments, config_loader, launcher).run()

@@ -65,4 +65,4 @@ class FrontierSweeper(Sweeper):
             return self.basic.sweep(arguments)
         from hydra_plugins.frontier_sweeper._study import run_sweep
 
-        return run_sweep(self.config, arguments, self.hydra_context.config_loader)
+        return run_sweep(self.config, arguments, self.hydra_context.config_loader, self.launcher)

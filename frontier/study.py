@@ -1,0 +1,292 @@
+"""The Optuna study shared by the sweep driver (hydra_plugins/frontier_sweeper) and its trials
+(frontier/trial.py): storages, the cross-process ask lock, the pruner, how a trial's run maps to
+its final Optuna state, and who supervises whom.
+
+A trial's final state has one source of truth: the trial's own process tells the study when its
+run ends. A driver tells it only for a trial whose process ended without telling (killed, or
+crashed before it could), and then from the same summary.json, so Optuna and the run never disagree.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import socket
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from filelock import FileLock
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages._heartbeat import BaseHeartbeat
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, TrialState
+
+from frontier.config import project_path
+
+STALE_REASON = "its process stopped sending heartbeats (killed, or its machine went away)"
+DRIVER_ENV = "FRONTIER_SWEEP_DRIVER"  # "host:pid:start" of the driver that launched this trial
+
+
+def default_storage(study_name: str) -> str:
+    """A journal file that every process on this machine (or on a shared disk) can append to."""
+    return str(project_path(f"mlruns/sweeps/{study_name}.journal"))
+
+
+def is_rdb(spec: str) -> bool:
+    return "://" in spec
+
+
+def _sqlalchemy_url(url: str) -> str:
+    # SQLAlchemy 2.1 reads postgresql:// as psycopg 3; use psycopg2 where only that is installed
+    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None \
+            and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
+
+
+class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
+    """A journal file storage with the heartbeat Optuna implements only for RDB storages: the
+    process running a trial stamps it every `interval` seconds, so that a RUNNING trial whose
+    process died can be told apart from one still running."""
+
+    def __init__(self, path: str, interval: int | None = None, grace_period: int | None = None):
+        super().__init__(JournalFileBackend(path))
+        self._interval = interval
+        self._grace_period = grace_period or (2 * interval if interval else None)
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        with contextlib.suppress(UpdateFinishedTrialError):  # already ended by another process
+            self.set_trial_system_attr(trial_id, "heartbeat", time.time())
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        if self._interval is None:
+            return []
+        now = time.time()
+        stale = []
+        for trial in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+            last = trial.system_attrs.get("heartbeat", trial.datetime_start.timestamp())
+            if now - last > self._grace_period:
+                stale.append(trial._trial_id)
+        return stale
+
+    def get_heartbeat_interval(self) -> int | None:
+        return self._interval
+
+    def get_heartbeat_stale_trial_callback(self):
+        return None
+
+
+def open_storage(spec: str, heartbeat_interval: int | None = None,
+                 grace_period: int | None = None) -> BaseStorage:
+    """An RDB URL (postgresql://..., sqlite:///...) or the path of a journal file."""
+    if is_rdb(spec):
+        with warnings.catch_warnings():  # heartbeat_interval is "experimental" in Optuna 5
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(_sqlalchemy_url(spec), engine_kwargs={"pool_pre_ping": True},
+                              heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+    path = Path(spec).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return HeartbeatJournalStorage(str(path), heartbeat_interval, grace_period)
+
+
+@contextlib.contextmanager
+def ask_lock(spec: str, storage: BaseStorage, study_name: str):
+    """Serialises "count the study's trials, then create one" (and the drivers' bookkeeping) across
+    processes and machines, so that n_trials is exact however many drivers share the study."""
+    if not is_rdb(spec):
+        with FileLock(str(Path(spec).expanduser().resolve()) + ".ask.lock"):  # .lock is the journal's own
+            yield
+    elif isinstance(storage, RDBStorage) and storage.engine.dialect.name == "postgresql":
+        from sqlalchemy import text
+
+        key = {"key": zlib.crc32(study_name.encode())}
+        with storage.engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), key)
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+    elif isinstance(storage, RDBStorage) and storage.engine.dialect.name == "sqlite":
+        with FileLock(str(storage.engine.url.database) + ".ask.lock"):
+            yield
+    else:  # other databases: workers on one machine are serialised by the sweeper itself
+        yield
+
+
+def build_pruner(name: str, min_resource: int = 1, max_resource: int = 10,
+                 reduction_factor: int = 3) -> optuna.pruners.BasePruner:
+    """Resources are checkpoints: step k is the k-th `eval.every_fraction` of the budget, equal
+    wall-clock time for every trial, so trials are compared at equal cost."""
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=min_resource, max_resource=max_resource,
+                                              reduction_factor=reduction_factor, bootstrap_count=0)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource,
+                                                      reduction_factor=reduction_factor,
+                                                      min_early_stopping_rate=0, bootstrap_count=0)
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=min_resource - 1,
+                                           interval_steps=1, n_min_trials=1)
+    return optuna.pruners.NopPruner()
+
+
+def trial_seed(seed: int | None, number: int) -> int | None:
+    """The sampler's seed for trial `number`: distinct for every trial of a study, whichever driver
+    asks for it, and the same each time the same study is run from scratch."""
+    return None if seed is None else zlib.crc32(f"{seed}:{number}".encode())
+
+
+# -- a trial's end ------------------------------------------------------------------------------
+
+
+def outcome(summary: dict, reason: str, objective: dict | None = None) -> tuple[TrialState, float | list | None, dict]:
+    """A trial's Optuna state, value and user attributes from its run's summary (summary.json);
+    `reason` says why it failed where the summary does not (no summary, a process killed).
+    `objective`, the study's user attribute, says which value(s) a finished run gives (a list of
+    two for sweep.objective=pareto; see hydra_plugins/frontier_sweeper/_objective.py)."""
+    from hydra_plugins.frontier_sweeper._objective import trial_values
+
+    status = summary.get("status")
+    values, why = trial_values(objective, summary)
+    attrs = {"status": status}
+    attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen") if key in summary})
+    attrs.update({key: summary[key] for key in ("val_bpb", "core")
+                  if isinstance(summary.get(key), (int, float)) and math.isfinite(summary[key])})
+    if status == "FINISHED" and values is not None:
+        return TrialState.COMPLETE, values[0] if len(values) == 1 else values, attrs
+    if status == "FINISHED":
+        reason = why
+    if status == "PRUNED":
+        return TrialState.PRUNED, None, {**attrs, "prune_reason": summary.get("error") or "pruned"}
+    return TrialState.FAIL, None, {**attrs, "fail_reason": summary.get("error") or reason}
+
+
+def end_trial(study: optuna.Study, trial_id: int, state: TrialState, value: float | None,
+              attrs: dict) -> bool:
+    """Records a trial's end: its attributes, then its state. False when it had already ended (the
+    first to tell wins, and a finished trial takes no more attributes)."""
+    storage = study._storage
+    try:
+        for key, attr in attrs.items():
+            storage.set_trial_user_attr(trial_id, key, attr)
+        if state == TrialState.PRUNED:  # as Study.tell: a pruned trial's value is its last report
+            last = storage.get_trial(trial_id).last_step
+            value = storage.get_trial(trial_id).intermediate_values[last] if last is not None else None
+        values = None if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+        return storage.set_trial_state_values(trial_id, state, values)
+    except UpdateFinishedTrialError:
+        return False
+
+
+def read_summary(run_dir: str | Path | None) -> dict:
+    path = Path(run_dir) / "summary.json" if run_dir else None
+    try:
+        return json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+# -- who supervises whom -------------------------------------------------------------------------
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (ticks since boot, so a reused pid is told apart); "" where
+    /proc is missing and only its existence can be checked; None when it is gone (or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    return None if fields[0] in ("Z", "X") else fields[19]  # field 3 is the state, field 22 starttime
+
+
+@dataclass(frozen=True)
+class Process:
+    """A process on a machine, told apart from a later one reusing its pid."""
+
+    host: str
+    pid: int
+    start: str
+
+    @classmethod
+    def this(cls, pid: int | None = None) -> "Process":
+        pid = pid or os.getpid()
+        return cls(socket.gethostname(), pid, process_start(pid) or "")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Process | None":
+        if not text:
+            return None
+        host, pid, start = text.rsplit(":", 2)
+        return cls(host, int(pid), start)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}:{self.start}"
+
+    def alive(self) -> bool | None:
+        """Whether it still runs; None when it runs on another machine (ask its heartbeat)."""
+        if self.host != socket.gethostname():
+            return None
+        start = process_start(self.pid)
+        return start is not None and (start == self.start or not self.start)
+
+
+def driver_key(driver: Process) -> str:
+    return f"driver:{driver}"
+
+
+def record_driver(study: optuna.Study, driver: Process, ended: bool = False) -> None:
+    """A driver's heartbeat in the study, for trials and drivers on other machines."""
+    study._storage.set_study_system_attr(study._study_id, driver_key(driver),
+                                         {"heartbeat": time.time(), "ended": ended})
+
+
+def driver_alive(study: optuna.Study, driver: Process, grace_period: float) -> bool:
+    alive = driver.alive()
+    if alive is not None:
+        return alive
+    record = study._storage.get_study_system_attrs(study._study_id).get(driver_key(driver), {})
+    return not record.get("ended", True) and time.time() - record.get("heartbeat", 0) < grace_period
+
+
+def live_drivers(study: optuna.Study, grace_period: float) -> list[Process]:
+    drivers = [Process.parse(key[len("driver:"):]) for key in
+               study._storage.get_study_system_attrs(study._study_id) if key.startswith("driver:")]
+    return [d for d in drivers if driver_alive(study, d, grace_period)]
+
+
+def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[FrozenTrial]:
+    """Ends every RUNNING trial whose process is gone without telling the study: on this machine
+    its pid has exited, elsewhere its heartbeat stopped. A trial whose run finished (summary.json)
+    keeps its result; any other is FAIL with why. `skip`: trial ids the caller itself supervises.
+    Returns the trials ended here."""
+    storage = study._storage
+    stale = set()
+    if isinstance(storage, BaseHeartbeat) and storage.get_heartbeat_interval() is not None:
+        stale = set(storage._get_stale_trial_ids(study._study_id))
+    settled = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        process = Process.parse(trial.user_attrs.get("process"))
+        gone = process is not None and process.alive() is False
+        if trial._trial_id in skip or (not gone and trial._trial_id not in stale):
+            continue
+        reason = "its process exited without a result" if gone else STALE_REASON
+        state, value, attrs = outcome(read_summary(trial.user_attrs.get("run_dir")), reason,
+                                      study.user_attrs.get("objective"))
+        if end_trial(study, trial._trial_id, state, value, attrs):
+            settled.append(storage.get_trial(trial._trial_id))
+    return settled

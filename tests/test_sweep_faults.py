@@ -1,0 +1,229 @@
+"""Sweeps when things go wrong: bad sweep input through the real command line, trials that hang,
+drivers that die, and the study and MLflow agreeing on every trial afterwards.
+
+Drivers run as `python -m frontier.train --multirun sweep=lr ...` subprocesses, as a user runs them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from frontier.study import Process, open_storage, process_start
+
+ROOT = Path(__file__).resolve().parents[1]
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+TINY = ["model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
+        "budget.excluded_steps=0", "train.batch_tokens=2048", "eval.checkpoint_tokens=2048",
+        "eval.final_tokens=4096", "eval.every_fraction=0.25"]
+SHORT = ["budget.seconds=5", "budget.max_steps=4"]
+LONG = ["budget.seconds=600", "budget.max_steps=100000"]  # a trial that would train for minutes
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def driver_command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr", "sweep.sampler=random",
+            "sweep.pruner=none", *args, f"hydra.sweep.dir={out}"]
+
+
+def load(storage: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=open_storage(storage))
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def trial_attr(storage: str, name: str, key: str):
+    """Trial 0's user attribute `key`, once the study and the attribute exist."""
+    if not Path(storage).exists():
+        return None
+    try:
+        trials = load(storage, name).get_trials(deepcopy=False)
+    except KeyError:  # the study is not created yet
+        return None
+    return trials[0].user_attrs.get(key) if trials else None
+
+
+def gone(process: Process) -> bool:
+    return process_start(process.pid) != process.start
+
+
+# -----------------------------------------------------------------------------
+# Bad sweep input: one sentence, exit code 2, nothing created
+
+
+def existing_study(storage: Path) -> None:
+    """A study whose trial ran with other overrides than the command below."""
+    study = optuna.create_study(study_name="changed", storage=open_storage(str(storage)))
+    study.set_user_attr("overrides", ["model=tiny", "optim.matrix_lr=0.01"])
+    study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=3.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["sweep.sampler=foo"], "error: sweep.sampler='foo' is not allowed: choose one of"),
+    (["sweep.pruner=foo"], "error: sweep.pruner='foo' is not allowed"),
+    (["sweep.storage=postgresql://nobody@127.0.0.1:1/none"],
+     "error: sweep.storage='postgresql://nobody@127.0.0.1:1/none' is not reachable"),
+    (["sweep.n_jobs=0"], "error: sweep.n_jobs=0 is not allowed"),
+    (["sweep.n_jobs=4096"], "error: sweep.n_jobs=4096 is not allowed"),
+    (["sweep.n_trials=-1"], "error: sweep.n_trials=-1 is not allowed"),
+    (["sweep.study_name=changed", "optim.matrix_lr=0.02"], "error: sweep.study_name='changed' is not allowed"),
+], ids=["sampler", "pruner", "storage", "n_jobs=0", "n_jobs=4096", "n_trials", "changed-study"])
+def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, message):
+    storage = tmp_path / "study.journal"
+    if "sweep.study_name=changed" in args:
+        existing_study(storage)
+    before = storage.read_bytes() if storage.exists() else None
+    mlflow_db = tmp_path / "mlflow.db"
+    storage_args = [] if any(a.startswith("sweep.storage=") for a in args) else [f"sweep.storage={storage}"]
+    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, *args, *storage_args, "tracking.enabled=true",
+                                         f"tracking.uri=sqlite:///{mlflow_db}"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().startswith(message), done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stdout + done.stderr
+    assert not (tmp_path / "out").exists()  # no sweep directory
+    assert not mlflow_db.exists()  # no MLflow run
+    # no study created, and an existing one untouched
+    assert (storage.read_bytes() if storage.exists() else None) == before
+
+
+# -----------------------------------------------------------------------------
+# Supervised trials
+
+
+@pytest.mark.slow
+def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
+                                             "sweep.heartbeat_interval=1", "sweep.grace_period=6",
+                                             f"sweep.storage={storage}", "sweep.study_name=silent"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # the trial's own heartbeat runs once the heartbeat moves on from the driver's stamp at launch
+        first = wait_for(lambda: heartbeat(storage, "silent"), 300, "the launch heartbeat")
+        wait_for(lambda: (heartbeat(storage, "silent") or 0) > first, 300, "the trial's own heartbeat")
+        trial = Process.parse(trial_attr(storage, "silent", "process"))
+        os.kill(trial.pid, signal.SIGSTOP)  # alive, but silent
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    (trial_0,) = load(storage, "silent").get_trials(deepcopy=False)
+    assert trial_0.state == TrialState.FAIL, output[-3000:]
+    reason = "killed by its driver: it sent no heartbeat for sweep.grace_period=6 s"
+    assert trial_0.user_attrs["fail_reason"] == reason
+    assert f"trial 0 FAIL after" in output and reason in output
+    assert gone(trial)
+
+
+def heartbeat(storage: str, name: str) -> float | None:
+    if not Path(storage).exists():
+        return None
+    try:
+        trials = load(storage, name).get_trials(deepcopy=False)
+    except KeyError:
+        return None
+    return trials[0].system_attrs.get("heartbeat") if trials else None
+
+
+@pytest.mark.slow
+def test_a_trial_past_its_timeout_is_killed_and_failed(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    done = subprocess.run(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
+                                         "sweep.trial_timeout=20", f"sweep.storage={storage}",
+                                         "sweep.study_name=slow"),
+                          cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (trial,) = load(storage, "slow").get_trials(deepcopy=False)
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=20 s"
+    assert gone(Process.parse(trial.user_attrs["process"]))
+
+
+@pytest.mark.slow
+def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path):
+    from mlflow import MlflowClient
+
+    storage = str(tmp_path / "study.journal")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=orphans",
+            "sweep.n_trials=1", "sweep.heartbeat_interval=2", "sweep.grace_period=10", f"sweep.storage={storage}",
+            "sweep.study_name=orphan"]
+    driver = subprocess.Popen(driver_command(tmp_path / "first", *args), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        # the driver is killed as soon as it has launched the trial: the trial is still starting up
+        trial = Process.parse(wait_for(lambda: trial_attr(storage, "orphan", "process"), 300, "the trial's launch"))
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_for(lambda: gone(trial), 120, "the orphaned trial to exit")
+
+    # the next driver of the study: the trial's end is recorded, no trial left RUNNING, and MLflow
+    # holds one parent run, now ended, with the trial's run not left RUNNING
+    done = subprocess.run(driver_command(tmp_path / "second", *args), cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (trial_0,) = load(storage, "orphan").get_trials(deepcopy=False)
+    assert trial_0.state == TrialState.FAIL
+    assert "driver" in trial_0.user_attrs["fail_reason"] or "exited" in trial_0.user_attrs["fail_reason"]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("orphans").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert all(r.info.status in ("KILLED", "FAILED") for r in runs if r.data.tags.get("run_kind") != "sweep")
+
+
+# -----------------------------------------------------------------------------
+# Two drivers of one PostgreSQL study: distinct proposals, one MLflow parent run
+
+
+@pytest.mark.slow
+def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_parent_run(tmp_path):
+    try:
+        postgres = open_storage(POSTGRES)
+    except Exception as err:
+        pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+    from mlflow import MlflowClient
+
+    name = f"test-drivers-{uuid.uuid4().hex[:8]}"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*SHORT, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=drivers",
+            "sweep.n_trials=4", f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
+    try:
+        drivers = [subprocess.Popen(driver_command(tmp_path / f"driver{i}", *args), cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+        for driver in drivers:
+            output, _ = driver.communicate(timeout=600)
+            assert driver.returncode == 0, output[-3000:]
+        trials = optuna.load_study(study_name=name, storage=postgres).get_trials(deepcopy=False)
+        assert sorted(t.number for t in trials) == [0, 1, 2, 3]
+        assert all(t.state == TrialState.COMPLETE for t in trials)
+        assert len({tuple(sorted(t.params.items())) for t in trials}) == 4  # no repeated proposal
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("drivers").experiment_id])
+        parents = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+        assert sorted(r.info.run_name for r in children) == [f"trial-{n}" for n in range(4)]
+        assert all(r.info.status == "FINISHED" for r in children)  # as COMPLETE in the study
+    finally:
+        optuna.delete_study(study_name=name, storage=postgres)
