@@ -70,7 +70,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     from frontier.distributed import World
     from frontier.model import build
     from frontier.optim import build_optimizers
-    from frontier.train import Run, train_step
+    from frontier.trainer import Run, train_step
 
     config = to_config(raw)
     device = resolve_device(config.device, config.precision)

@@ -11,10 +11,14 @@ from frontier.config import BudgetConfig
 class BudgetClock:
     """Charges the wall-clock time of training steps only.
 
-    The first `excluded_steps` steps (compilation, cache warm-up) are forgiven up to
-    `startup_cap_seconds`; anything beyond the cap is charged. Time outside `step()` —
-    evaluation, logging, checkpoint writing — is never charged. The device is synchronised
-    before each clock read so queued work is counted in the step that queued it.
+    Each process launch (the first one, and every `resume=`) forgives its own first
+    `excluded_steps` steps (compilation, cache warm-up) up to `startup_cap_seconds`; anything beyond
+    the cap is charged. Time outside `step()` — evaluation, logging, checkpoint writing — is never
+    charged. The device is synchronised before each clock read so queued work is counted in the
+    step that queued it.
+
+    Throughput counts charged tokens over charged time: a step whose time is only partly charged
+    (the cap ran out during it) counts the same fraction of its tokens.
     """
 
     def __init__(self, cfg: BudgetConfig, synchronize: Callable[[], None] = lambda: None,
@@ -24,24 +28,37 @@ class BudgetClock:
         self.slowest = slowest  # across data-parallel ranks: all charge the slowest rank's time
         self.steps = 0
         self.charged = 0.0
-        self.excluded = 0.0
+        self.charged_tokens = 0.0
+        self.earlier_launches: list[float] = []  # excluded seconds of each earlier launch
+        self.launch_steps = 0  # steps taken by this process launch
+        self.launch_excluded = 0.0
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self, tokens: int = 0) -> Iterator[None]:
         self.synchronize()
         start = time.perf_counter()
         yield
         self.synchronize()
-        self.add_step(self.slowest(time.perf_counter() - start))
+        self.add_step(self.slowest(time.perf_counter() - start), tokens)
 
-    def add_step(self, seconds: float) -> None:
+    def add_step(self, seconds: float, tokens: int = 0) -> None:
         self.steps += 1
-        if self.steps <= self.cfg.excluded_steps:
-            forgiven = min(seconds, self.cfg.startup_cap_seconds - self.excluded)
-            self.excluded += forgiven
-            self.charged += seconds - forgiven
-        else:
-            self.charged += seconds
+        self.launch_steps += 1
+        forgiven = 0.0
+        if self.launch_steps <= self.cfg.excluded_steps:
+            forgiven = max(min(seconds, self.cfg.startup_cap_seconds - self.launch_excluded), 0.0)
+            self.launch_excluded += forgiven
+        self.charged += seconds - forgiven
+        if seconds > 0:
+            self.charged_tokens += tokens * (seconds - forgiven) / seconds
+
+    @property
+    def excluded(self) -> float:
+        return sum(self.excluded_per_launch)
+
+    @property
+    def excluded_per_launch(self) -> list[float]:
+        return [*self.earlier_launches, self.launch_excluded]
 
     @property
     def progress(self) -> float:
@@ -61,7 +78,12 @@ class BudgetClock:
         return max(self.cfg.seconds - self.charged, 0.0)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "charged": self.charged, "excluded": self.excluded}
+        return {"steps": self.steps, "charged": self.charged, "charged_tokens": self.charged_tokens,
+                "excluded_per_launch": self.excluded_per_launch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps, self.charged, self.excluded = state["steps"], state["charged"], state["excluded"]
+        """Continues a saved clock in a new launch, which gets its own forgiven start-up steps."""
+        self.steps, self.charged = state["steps"], state["charged"]
+        self.charged_tokens = state["charged_tokens"]
+        self.earlier_launches = list(state["excluded_per_launch"])
+        self.launch_steps, self.launch_excluded = 0, 0.0

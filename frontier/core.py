@@ -496,3 +496,16 @@ def evaluate_core(model: torch.nn.Module, tokenizer, bundle_dir: str | Path, *, 
                       core=core_score(centered), n_tasks=len(centered), n_total=len(tasks),
                       items_per_second=total_items / seconds if seconds > 0 else math.nan,
                       seconds=seconds, random_baseline=baselines)
+
+
+def core_metrics(model: torch.nn.Module, tokenizer, eval_cfg, device, seq_len: int, log=print) -> dict:
+    """CORE of a trained model (never charged to the budget) as flat metrics; `device` is a
+    frontier.device.Device, `eval_cfg` an EvalConfig."""
+    import sys
+
+    with device.autocast():
+        result = evaluate_core(model, tokenizer, eval_cfg.core_bundle, max_per_task=eval_cfg.core_max_per_task,
+                               device=device.torch_device, max_seq_len=seq_len, batch_size=eval_cfg.batch_rows * 2,
+                               log=log)
+    print(f"{result.describe()} ({result.items_per_second:,.1f} items/s)", file=sys.stderr)
+    return result.metrics()

@@ -52,7 +52,7 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
 def main(argv: list[str]) -> dict:
     from frontier.checkpoint import load_for_eval, load_tokenizer
     from frontier.device import resolve_device
-    from frontier.train import core_metrics
+    from frontier.core import core_metrics
 
     command = parse(argv)
     device = resolve_device(command.device, command.precision)

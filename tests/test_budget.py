@@ -45,3 +45,25 @@ def test_synchronises_the_device_around_each_step():
     with clock.step():
         pass
     assert len(calls) == 2
+
+
+def test_each_launch_forgives_its_own_startup_steps():
+    cfg = BudgetConfig(seconds=100, excluded_steps=2, startup_cap_seconds=5)
+    first = BudgetClock(cfg)
+    for seconds in (3.0, 1.0, 1.0):  # two compilation steps, one charged
+        first.add_step(seconds, tokens=100)
+    resumed = BudgetClock(cfg)  # a new process: `resume=` recompiles, and is forgiven again
+    resumed.load_state_dict(first.state_dict())
+    for seconds in (4.0, 2.0, 1.0):
+        resumed.add_step(seconds, tokens=100)
+    assert resumed.excluded_per_launch == [4.0, 5.0] and resumed.excluded == 9.0
+    assert resumed.charged == 1.0 + 1.0 + 1.0  # 1 s of the second launch's step 2 was past the cap
+    assert resumed.steps == 6
+
+
+def test_throughput_counts_only_the_charged_part_of_each_step():
+    clock = BudgetClock(BudgetConfig(seconds=100, excluded_steps=2, startup_cap_seconds=5))
+    clock.add_step(4.0, tokens=100)  # forgiven
+    clock.add_step(2.0, tokens=100)  # 1 s forgiven, 1 s charged: half its tokens count
+    clock.add_step(1.0, tokens=100)
+    assert clock.charged == 2.0 and clock.charged_tokens == 150.0

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from frontier.progress import RunDisplay
-from frontier.train import train
+from frontier.trainer import train
 from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli
 
 BUNDLE = SHARED / "data" / "core"

@@ -11,12 +11,12 @@ from multiprocessing import get_context
 import pytest
 
 from frontier import data as data_module
-from frontier import observers
-from frontier import train as train_module
+from frontier import lifecycle
+from frontier import trainer as train_module
 from frontier.config import DataConfig
 from frontier.data import DataError, load_corpus, load_tokenizer, resolve_splits
 from frontier.progress import RunDisplay
-from frontier.train import Diverged, train
+from frontier.trainer import Diverged, train
 from tests.conftest import FAST, ROOT, compose_config
 
 QUIET = RunDisplay(enabled=False)
@@ -30,11 +30,11 @@ class LossRecorder:
     def on_log(self, metrics, step):
         self.losses[step] = metrics["train/loss"]
         if step == self.interrupt_at:
-            raise KeyboardInterrupt
+            lifecycle.request_stop("stopped by the test")  # as a signal or a trial's heartbeat thread does
 
 
 def record(monkeypatch, recorder):
-    monkeypatch.setattr(observers, "for_run", lambda run: [recorder])
+    monkeypatch.setattr(lifecycle, "for_run", lambda run: [recorder])
 
 
 @pytest.mark.slow
@@ -45,10 +45,11 @@ def test_an_interrupted_run_resumes_with_exactly_the_same_losses(wiki, tmp_path,
 
     cut = LossRecorder(interrupt_at=3)
     record(monkeypatch, cut)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(lifecycle.Killed):
         train(compose_config(STEPS), tmp_path / "cut", QUIET)
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["status"] == "KILLED" and (tmp_path / "cut" / "resume.pt").is_file()
+    assert summary["error"] == "stopped by the test" and summary["steps"] == 3
 
     resumed = LossRecorder()
     record(monkeypatch, resumed)

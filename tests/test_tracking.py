@@ -26,7 +26,7 @@ from sqlalchemy.exc import SADeprecationWarning
 
 from frontier import leaderboard, tracking
 from frontier.config import PROJECT_ROOT, TrackingConfig
-from frontier.train import train
+from frontier.trainer import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
 
@@ -306,7 +306,7 @@ def test_run_that_raises_ends_failed(tmp_path, store, monkeypatch):
     def boom(run, tokens):
         raise RuntimeError("boom at the checkpoint")
 
-    monkeypatch.setattr("frontier.train.evaluate_checkpoint", boom)
+    monkeypatch.setattr("frontier.trainer.evaluate_checkpoint", boom)
     uri = store
     with pytest.raises(RuntimeError, match="boom"):
         train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")

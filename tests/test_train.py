@@ -14,7 +14,7 @@ from frontier.device import resolve_device
 from frontier.evaluate import val_bpb
 from frontier.model import GPT
 from frontier.progress import RunDisplay
-from frontier.train import train
+from frontier.trainer import train
 from tests.conftest import FAST, compose_config, run_cli
 
 SUMMARY_KEYS = {"val_bpb", "params", "flops_per_token", "steps", "tokens_seen", "tokens_per_second", "mfu",
@@ -67,7 +67,7 @@ def test_a_second_run_reuses_the_tokenizer_and_token_caches(wiki, tmp_path, monk
 
 
 def test_checkpoints_are_reported_at_budget_fractions(wiki, tmp_path, monkeypatch):
-    from frontier import observers
+    from frontier import lifecycle
 
     seen = []
 
@@ -75,7 +75,7 @@ def test_checkpoints_are_reported_at_budget_fractions(wiki, tmp_path, monkeypatc
         def on_checkpoint(self, k, bpb, step, progress):
             seen.append((k, step, round(progress, 3)))
 
-    monkeypatch.setattr(observers, "for_run", lambda run: [Recorder()])
+    monkeypatch.setattr(lifecycle, "for_run", lambda run: [Recorder()])
     raw = compose_config([*FAST, "budget.max_steps=8", "eval.every_fraction=0.25"])
     train(raw, tmp_path, RunDisplay(enabled=False))
     assert seen == [(1, 2, 0.25), (2, 4, 0.5), (3, 6, 0.75)]

@@ -1,0 +1,203 @@
+"""One owner of a run's life: its state, its sinks, the signals that stop it, and its terminal writes.
+
+A run is RUNNING until it ends FINISHED, FAILED, KILLED, PRUNED or COMPILED. Whatever ends it,
+`Lifecycle.end` writes summary.json and then calls every sink's `on_end`, each write guarded so
+that one that fails (a full disk, a dead tracking server) never skips another.
+
+Signals are deferred: while the training loop runs, SIGTERM or SIGINT only sets a flag, and the
+loop stops at the next step boundary, where the model, optimizers, loader, clock and RNG all
+belong to the same step and resume.pt can be written. A second signal within ABORT_WINDOW
+seconds aborts at once (without writing resume.pt). `request_stop` sets the same flag from any
+thread (e.g. a sweep trial whose driver is gone).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from frontier.observers import MetricsFile, notify
+
+ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
+TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED", "COMPILED")
+
+
+class Killed(KeyboardInterrupt):
+    """The run stopped because of a signal or `request_stop`; it is recorded KILLED."""
+
+
+class RunWriteError(Exception):
+    """A file of the run (resume.pt, summary.json) could not be written: one sentence naming it."""
+
+
+# -----------------------------------------------------------------------------
+# Deferred stops: a flag set by signals or any thread, read by the loop between steps
+
+_lock = threading.Lock()
+_stop_reason: str | None = None
+_first_signal_at = -math.inf
+_deferring = False  # True while the training loop runs: signals wait for the step boundary
+
+
+def request_stop(reason: str) -> None:
+    """Ends the running training loop KILLED with `reason` at its next step boundary (thread-safe)."""
+    global _stop_reason
+    with _lock:
+        if _stop_reason is None:
+            _stop_reason = reason
+
+
+def stop_requested() -> str | None:
+    return _stop_reason
+
+
+def _reset() -> None:
+    global _stop_reason, _first_signal_at, _deferring
+    with _lock:
+        _stop_reason, _first_signal_at, _deferring = None, -math.inf, False
+
+
+def _on_signal(signum, frame) -> None:
+    global _first_signal_at
+    name = signal.Signals(signum).name
+    now = time.monotonic()
+    if not _deferring:  # setting up or finishing: nothing to save at a step boundary
+        raise KeyboardInterrupt(f"interrupted by {name}")
+    if now - _first_signal_at < ABORT_WINDOW:
+        print(f"second signal ({name}): aborting at once; resume.pt keeps the last saved checkpoint",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(f"aborted by a second signal ({name})")
+    _first_signal_at = now
+    request_stop(f"interrupted by {name}")
+    print(f"{name}: stopping after this step (send it again within {ABORT_WINDOW:g} s to abort at once)",
+          file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def signals_handled() -> Iterator[None]:
+    """SIGTERM and SIGINT go through `_on_signal` for the duration of one train() call."""
+    _reset()
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may install handlers; request_stop still works
+        return
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Inside: a signal only sets the stop flag (the training loop)."""
+    global _deferring
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+
+
+# -----------------------------------------------------------------------------
+# Sinks and terminal writes
+
+
+@dataclass
+class RunInfo:
+    """What a sink may read when it is built, before any data is loaded (see CONTRACT in README)."""
+
+    config: object  # frontier.config.Config
+    raw: object  # the DictConfig
+    run_dir: Path
+    summary: dict = field(default_factory=dict)
+
+
+def for_run(run) -> list:
+    """The sinks a run's config asks for, metrics file first: every point is on disk before it is sent."""
+    metrics = MetricsFile.for_run(run) if hasattr(MetricsFile, "for_run") else MetricsFile(
+        run.run_dir / "metrics.jsonl")
+    found = [metrics]
+    if run.config.tracking.enabled:
+        from frontier.tracking import MlflowObserver
+
+        found.append(MlflowObserver.for_run(run))
+    if run.config.trial.number is not None:
+        from frontier.trial import TrialReporter
+
+        found.append(TrialReporter.for_run(run))
+    return found
+
+
+class Lifecycle:
+    """A run's state and its sinks (on rank 0 only; other ranks have none and write nothing)."""
+
+    def __init__(self, info: RunInfo, is_main: bool = True):
+        self.info = info
+        self.is_main = is_main
+        self.status = "RUNNING"
+        self.sinks = for_run(info) if is_main else []  # an unreachable store fails here, in seconds
+
+    def notify(self, event: str, *args) -> None:
+        notify(self.sinks, event, *args)
+
+    def end(self, status: str, error: str | None) -> None:
+        """The one terminal write: summary.json, then every sink's on_end, each guarded.
+        Raises RunWriteError afterwards when summary.json could not be written."""
+        assert status in TERMINAL, status
+        self.status = status
+        summary = self.info.summary
+        summary["status"] = status
+        summary["error"] = error
+        clean_numbers(summary)
+        failed = None
+        if self.is_main:
+            try:
+                write_json(self.info.run_dir / "summary.json", summary)
+            except RunWriteError as err:
+                failed = err
+            notify(self.sinks, "on_end", summary, status, error)
+        if failed is not None:
+            raise failed
+
+
+def clean_numbers(summary: dict) -> None:
+    """NaN and infinities are not JSON: they become null."""
+    for key, value in summary.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            summary[key] = None
+
+
+def write_json(path: Path, content: dict) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(content, indent=2, default=str, allow_nan=False)))
+
+
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp)` then rename over `path`; on failure no .tmp is left and one sentence names the file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(path, tmp):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def writing(path: Path, *temporaries: Path) -> Iterator[None]:
+    """A failed write (full disk, unwritable folder) becomes RunWriteError naming `path`, and the
+    half-written `temporaries` are removed."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+        for tmp in temporaries:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        reason = os.strerror(err.errno) if getattr(err, "errno", None) else (str(err).splitlines() or [""])[0]
+        raise RunWriteError(f"cannot write {path}: {reason}") from None

@@ -1,0 +1,443 @@
+"""One budgeted training run, read top to bottom; `python -m frontier.train` is its command line.
+
+config checks -> sinks (MLflow, the sweep trial: an unreachable one fails here, in seconds) ->
+data -> model -> optimizers -> loop (budget clock, schedule, evals at budget fractions, stops only
+at step boundaries) -> final val_bpb -> checkpoint and summary. Returns val_bpb for a sweeper to
+minimise. The run's states and terminal writes belong to frontier.lifecycle.
+"""
+from __future__ import annotations
+
+import math
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from frontier import lifecycle
+from frontier.budget import BudgetClock
+from frontier.checkpoint import read_checkpoint, save_final
+from frontier.config import Config, ConfigError, register_schemas, to_config
+from frontier.core import core_metrics
+from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
+from frontier.device import Device, resolve_device
+from frontier.distributed import World, init_world
+from frontier.evaluate import val_bpb
+from frontier.lifecycle import Lifecycle, RunInfo
+from frontier.model import GPT, Ops, build as build_model
+from frontier.observers import StopRun
+from frontier.optim import apply_schedule, build_optimizers
+from frontier.progress import RunDisplay
+from frontier.schedule import lr_multiplier, muon_momentum
+
+register_schemas()
+
+MLFLOW_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class Diverged(RuntimeError):
+    """The training loss became NaN, infinite, or absurdly large."""
+
+
+@dataclass
+class Run:
+    """Everything one training run builds, so that phases can be read one at a time."""
+
+    config: Config
+    raw: DictConfig
+    run_dir: Path
+    device: Device
+    model: GPT
+    step_model: torch.nn.Module  # the model the loop calls: compiled or not
+    tokenizer: object
+    loader: PackedLoader
+    val_rows: torch.Tensor
+    optimizers: list
+    clock: BudgetClock
+    world: World
+    summary: dict = field(default_factory=dict)
+    tokens_seen: int = 0
+
+
+@dataclass
+class Plan:
+    """What is decided before any data is read: every check a user's mistake can fail."""
+
+    config: Config
+    device: Device
+    world: World
+    ops: Ops
+
+
+def prepare(raw: DictConfig, run_dir: Path) -> Plan:
+    """Every check a configuration can fail, before any data is read or any sink is built."""
+    config = to_config(raw)  # every range check
+    device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
+    if config.eval.core and not (Path(config.eval.core_bundle) / "core.yaml").is_file():
+        raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
+                          "eval bundle (the offline copy is ../shared/data/core)")
+    ops = Ops(config.kernel, device.kind)  # a kernel this machine cannot run stops here
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"the run directory {run_dir} cannot be created ({err.strerror or err})") from None
+    world = init_world(device.kind)
+    try:
+        check_micro_batches(config, world.size)
+    except ConfigError:
+        world.close()
+        raise
+    if world.active and device.kind in ("cuda", "neuron"):
+        device.torch_device = torch.device(world.device)
+    return Plan(config, device, world, ops)
+
+
+def check_micro_batches(config: Config, world_size: int) -> None:
+    """Each rank's share of a step must split into whole micro-batches, or the gradient is mis-scaled."""
+    batch, seq, micro = config.train.batch_tokens, config.model.seq_len, config.train.device_batch_rows
+    rows = batch // seq
+    if rows % world_size:
+        raise ConfigError(f"train.batch_tokens={batch} is not allowed: it gives {rows} rows of model.seq_len={seq} "
+                          f"per step, which the world size {world_size} does not divide")
+    share = rows // world_size
+    if share > micro and share % micro:
+        raise ConfigError(f"train.device_batch_rows={micro} is not allowed: each of the {world_size} rank(s) gets "
+                          f"{share} rows per step (train.batch_tokens={batch} / model.seq_len={seq} / "
+                          f"{world_size}), which do not split into whole micro-batches of {micro} rows")
+
+
+def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
+    """Reads the data and builds the model, optimizers, loader and clock."""
+    config, device, world = plan.config, plan.device, plan.world
+    torch.manual_seed(config.seed)
+    train_split, val_split = resolve_splits(config.data)
+    tokenizer = load_tokenizer(config.data, train_split)
+    train_corpus = load_corpus(train_split, tokenizer, config.data, "train")
+    val_corpus = load_corpus(val_split, tokenizer, config.data, "val")
+    seq = config.model.seq_len
+    if train_corpus.num_tokens < seq + 1:
+        raise DataError(f"the training split has {train_corpus.num_tokens} tokens, fewer than one row of "
+                        f"model.seq_len + 1 = {seq + 1}")
+    val_rows = validation_rows(val_corpus, seq, config.eval.final_tokens)
+    summary.update({
+        "data_train_tokens": train_corpus.num_tokens,
+        "data_val_tokens_available": int(val_rows.numel() - val_rows.size(0)),
+        "data_skipped_empty_documents": sum(c.meta.get("skipped_empty_documents", 0)
+                                            for c in (train_corpus, val_corpus)),
+        "data_empty_files": [f for c in (train_corpus, val_corpus) for f in c.meta.get("empty_files", [])],
+    })
+    model, step_model = build_model(config, tokenizer.vocab_size, device, plan.ops)
+    optimizers = build_optimizers(model.param_groups(), config.optim, device.kind, world.rank, world.size)
+    # Every rank packs the same global batch and trains on its own slice of it.
+    loader = PackedLoader(train_corpus, seq, rows=config.train.batch_tokens // seq, seed=config.seed)
+    clock = BudgetClock(config.budget, device.synchronize, world.max)
+    return Run(config, raw, run_dir, device, model, step_model, tokenizer, loader, val_rows, optimizers, clock,
+               world, summary)
+
+
+def describe(run: Run) -> dict:
+    """Static facts of the run: sizes, cost per token, the device, its precision and peak rate."""
+    params = run.model.num_params()
+    peak, peak_source = run.device.peak_flops()
+    return {
+        "params": params["total"],
+        "params_embedding": params["embedding"],
+        "params_non_embedding": params["non_embedding"],
+        "flops_per_token": run.model.flops_per_token(),
+        "vocab_size": run.tokenizer.vocab_size,
+        "device": run.device.name,
+        "precision": run.device.precision,
+        "precision_reason": getattr(run.device, "precision_reason", ""),
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "budget": run.config.budget.name,
+        "budget_seconds": run.config.budget.seconds,
+        "world_size": run.world.size,
+    }
+
+
+def train_step(run: Run) -> torch.Tensor:
+    """One optimizer step over `train.batch_tokens` tokens; returns the mean loss (on device)."""
+    cfg = run.config
+    progress = run.clock.progress
+    apply_schedule(run.optimizers, lr_multiplier(cfg.schedule, progress), muon_momentum(cfg.schedule, progress))
+    rows = torch.from_numpy(run.loader.next_rows())
+    share = rows.size(0) // run.world.size
+    rows = rows[run.world.rank * share:(run.world.rank + 1) * share].to(run.device.torch_device, non_blocking=True)
+    micro = min(cfg.train.device_batch_rows, rows.size(0))  # whole micro-batches: check_micro_batches
+    accumulation = rows.size(0) // micro
+    total = torch.zeros((), device=run.device.torch_device)
+    for chunk in rows.split(micro):
+        with run.device.autocast():
+            loss = run.step_model(chunk[:, :-1], chunk[:, 1:])
+        (loss / accumulation).backward()
+        total += loss.detach()
+    run.world.average_gradients(run.model)
+    for opt in run.optimizers:
+        opt.step()
+    run.model.zero_grad(set_to_none=True)
+    return total / accumulation
+
+
+def evaluate_checkpoint(run: Run, tokens: int) -> float:
+    rows = run.val_rows[: max(1, -(-tokens // run.config.model.seq_len))]
+    bpb, _ = val_bpb(run.step_model, rows, run.tokenizer.token_bytes, run.device, run.config.eval.batch_rows)
+    return bpb
+
+
+def next_mark(progress: float, every: float) -> float:
+    """The first multiple of `every` after `progress` (inf when `every` is 0)."""
+    return (int(progress / every + 1e-9) + 1) * every if every > 0 else math.inf
+
+
+def marks_reached(progress: float, every: float) -> int:
+    """How many multiples of `every` lie at or below `progress`."""
+    return int(progress / every + 1e-9) if every > 0 else 0
+
+
+def mfu(tokens_per_second: float, summary: dict) -> float | None:
+    peak = summary.get("peak_flops")
+    return tokens_per_second * summary["flops_per_token"] / peak if peak else None
+
+
+def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str | None:
+    """Trains until the budget is spent; returns the reason when a signal or `request_stop` ended it
+    early (always at a step boundary, so resume.pt can be written consistently)."""
+    cfg, clock = run.config, run.clock
+    log_every, eval_every = cfg.train.log_every_fraction, cfg.eval.every_fraction
+    save_every = cfg.checkpoint.every_fraction
+    # Derived from progress, so a resumed run keeps the same cadence.
+    next_log = next_mark(clock.progress, log_every) if clock.steps else 0.0
+    next_save = next_mark(clock.progress, save_every)
+    marks_reported = marks_reached(clock.progress, eval_every)
+    loss_sum, loss_count = torch.zeros(()), 0
+    log_start, log_tokens = clock.charged, clock.charged_tokens
+    check_stop = True  # distributed runs agree on a stop at the log cadence (a collective per check)
+    loop_start = time.perf_counter()
+    run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
+    while not clock.done:
+        if check_stop and run.world.any(lifecycle.stop_requested() is not None):
+            return lifecycle.stop_requested() or "stopped because another rank was interrupted"
+        with clock.step(cfg.train.batch_tokens):
+            loss = train_step(run)
+        run.tokens_seen += cfg.train.batch_tokens
+        loss_sum = loss_sum.to(loss.device) + loss
+        loss_count += 1
+        if cfg.compile_only and clock.launch_steps >= max(cfg.budget.excluded_steps, 1):
+            break
+        progress = clock.progress
+        logged = progress >= next_log - 1e-9 or clock.done
+        check_stop = logged or not run.world.active
+        if logged:
+            mean_loss = run.world.mean((loss_sum / loss_count).item())  # the only host sync, at the log cadence
+            if not math.isfinite(mean_loss) or mean_loss > cfg.train.loss_ceiling:
+                raise Diverged(f"diverged at step {clock.steps} (loss={mean_loss:g})")
+            interval = clock.charged - log_start  # charged tokens over charged time: never the excluded steps
+            tokens_per_second = (clock.charged_tokens - log_tokens) / interval if interval > 0 else 0.0
+            metrics = {
+                "train/loss": mean_loss,
+                "lr_multiplier": lr_multiplier(cfg.schedule, progress),
+                "tokens_seen": run.tokens_seen,
+                "charged_seconds": clock.charged,
+                "progress": progress,
+                "tokens_per_second": tokens_per_second,
+                "mfu": mfu(tokens_per_second, run.summary) or 0.0,
+            }
+            life.notify("on_log", metrics, clock.steps)
+            display.update(progress, metrics, clock.seconds_left)
+            loss_sum, loss_count = torch.zeros(()), 0
+            log_start, log_tokens = clock.charged, clock.charged_tokens
+            next_log = next_mark(progress, log_every)
+        if clock.done:
+            break
+        # Evaluation and checkpoint writing happen outside clock.step(): never charged.
+        reached = marks_reached(progress, eval_every)
+        if reached > marks_reported:  # one evaluation, reported for each mark this step crossed
+            bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
+            display.note(f"checkpoint {reached}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
+            stop = None
+            try:
+                for k in range(marks_reported + 1, reached + 1):
+                    life.notify("on_checkpoint", k, bpb, clock.steps, progress)
+            except StopRun as err:  # sinks live on rank 0: every rank must stop with it
+                stop = err
+            marks_reported = reached
+            if run.world.any(stop is not None):
+                raise stop or StopRun("PRUNED", "stopped by rank 0", bpb)
+        if progress >= next_save - 1e-9 and run.world.is_main:
+            save_resume(run)
+            next_save = next_mark(progress, save_every)
+    run.summary["loop_wall_seconds"] = time.perf_counter() - loop_start
+    return None
+
+
+RESUMED_SUMMARY_KEYS = ("mlflow_run_id", "resumed")
+
+
+def save_resume(run: Run) -> None:
+    """Everything needed to continue this run exactly, all at the same step: written atomically."""
+    state = {
+        "config": OmegaConf.to_container(run.raw, resolve=True),
+        "model": run.model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in run.optimizers],
+        "clock": run.clock.state_dict(),
+        "loader": run.loader.state_dict(),
+        "rng": torch.get_rng_state(),
+        "tokens_seen": run.tokens_seen,
+        "summary": {k: run.summary[k] for k in RESUMED_SUMMARY_KEYS if k in run.summary},
+    }
+    lifecycle.atomic_write(run.run_dir / "resume.pt", lambda tmp: torch.save(state, tmp))
+
+
+def restore(run: Run, state: dict) -> None:
+    run.model.load_state_dict(state["model"])
+    for opt, saved in zip(run.optimizers, state["optimizers"]):
+        opt.load_state_dict(saved)
+    run.clock.load_state_dict(state["clock"])
+    run.loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["rng"])
+    run.tokens_seen = state["tokens_seen"]
+
+
+def resume_point(resume: str, tracking_cfg) -> tuple[DictConfig, Path, dict]:
+    """The saved config, run directory and state of `resume=RUN_DIR_OR_MLFLOW_RUN_ID`."""
+    run_dir = Path(resume).expanduser()
+    if not run_dir.is_dir():
+        if not MLFLOW_RUN_ID.fullmatch(str(resume)):  # only a run id is looked up in the store
+            raise ConfigError(f"resume={resume} is not allowed: {run_dir} does not exist (give a run directory "
+                              "or an MLflow run id)")
+        from frontier.tracking import run_dir_of
+
+        run_dir = run_dir_of(tracking_cfg, resume)
+    path = run_dir / "resume.pt"
+    if not path.is_file():
+        raise ConfigError(f"resume={resume} is not allowed: {path} does not exist (the run wrote no checkpoint "
+                          "yet, or it finished)")
+    state = read_checkpoint(path, "resume=", keys=("config", "model", "optimizers", "clock", "loader", "rng"))
+    raw = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+    raw.resume = None
+    return raw, run_dir, state
+
+
+def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
+    """The run's final numbers, whatever ended it."""
+    cfg, clock, summary = run.config, run.clock, run.summary
+    tokens_per_second = clock.charged_tokens / clock.charged if clock.charged > 0 else 0.0
+    summary.update({
+        "tokens_seen": run.tokens_seen,
+        "val_bpb": bpb,
+        "val_tokens": val_tokens,
+        "steps": clock.steps,
+        "progress": clock.progress,
+        "tokens_per_second": tokens_per_second,
+        "mfu": mfu(tokens_per_second, summary),
+        "charged_seconds": clock.charged,
+        "excluded_seconds": clock.excluded,
+        "excluded_seconds_per_launch": clock.excluded_per_launch,
+        "budget_utilization": clock.charged / cfg.budget.seconds,
+    })
+    if summary.get("loop_wall_seconds"):  # how much of the loop's wall time went into training steps
+        summary["step_time_fraction"] = (clock.charged + clock.launch_excluded) / summary["loop_wall_seconds"]
+    if (summary["mfu"] or 0) > 1:
+        summary["mfu_note"] = (f"mfu {summary['mfu']:.2f} is above 1: the peak ({summary['peak_flops_source']}) "
+                               "is lower than what this run reached; compare mfu only between runs on this machine")
+        print(f"warning: {summary['mfu_note']}", file=sys.stderr)
+
+
+def finish(run: Run) -> float:
+    """Final full evaluation (uncharged), then on rank 0 the checkpoint and CORE."""
+    cfg = run.config
+    bpb, val_tokens = val_bpb(run.step_model, run.val_rows, run.tokenizer.token_bytes, run.device,
+                              cfg.eval.batch_rows)
+    summarize(run, bpb, val_tokens)
+    if run.world.is_main:
+        final = run.run_dir / "final.pt"
+        with lifecycle.writing(final, final.with_suffix(".tmp"), run.run_dir / "tokenizer.tmp"):
+            save_final(final, run.model, OmegaConf.to_container(run.raw, resolve=True), run.tokenizer)
+        if cfg.eval.core:
+            run.summary.update(core_metrics(run.model, run.tokenizer, cfg.eval, run.device, cfg.model.seq_len,
+                                            log=None))
+    return bpb
+
+
+def train(raw: DictConfig, run_dir: Path, display: RunDisplay | None = None) -> float:
+    """Runs one configuration (or continues one, with `resume=`) and returns its final val_bpb.
+
+    Raises lifecycle.Killed (a KeyboardInterrupt) when a signal or request_stop ended it; the run
+    is then recorded KILLED with resume.pt written at the step boundary where it stopped.
+    """
+    started = time.perf_counter()  # this launch's start: startup_seconds is measured from here
+    with lifecycle.signals_handled():
+        return _train(raw, Path(run_dir), display, started)
+
+
+def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: float) -> float:
+    state = None
+    if raw.get("resume"):
+        raw, run_dir, state = resume_point(raw.resume, raw.tracking)
+    plan = prepare(raw, run_dir)
+    summary: dict = {}
+    if state is not None:
+        summary.update(state["summary"])
+        summary["resumed"] = summary.get("resumed", 0) + 1
+        summary["resume_step"] = state["clock"]["steps"]  # sinks drop what they recorded after it
+    try:
+        life = Lifecycle(RunInfo(plan.config, raw, run_dir, summary), plan.world.is_main)
+    except BaseException:
+        plan.world.close()
+        raise
+    if not plan.world.is_main:  # one rank speaks for the job
+        display = RunDisplay(enabled=False, quiet=True)
+    else:
+        display = display or RunDisplay(enabled=sys.stderr.isatty())
+    run, status, error = None, "FAILED", None
+    try:
+        run = setup(raw, run_dir, plan, summary)
+        summary.update(describe(run))
+        if state is not None:
+            restore(run, state)
+            display.note(f"resumed {run_dir} at step {run.clock.steps} "
+                         f"({run.clock.charged:.1f} s of {run.config.budget.seconds:g} s charged)")
+        life.notify("on_start", summary)
+        with display, lifecycle.deferred_signals():
+            stopped = loop(run, display, life, started)
+        if stopped is not None:
+            status, error = "KILLED", stopped
+            if run.clock.steps > 0 and run.world.is_main:
+                save_resume(run)
+                display.note(f"stopped at step {run.clock.steps} ({stopped}); continue with resume={run_dir}")
+            raise lifecycle.Killed(stopped)
+        finished = "COMPILED" if run.config.compile_only else "FINISHED"
+        result = finish(run)
+        status = finished
+        (run_dir / "resume.pt").unlink(missing_ok=True)  # final.pt supersedes it
+        return result
+    except StopRun as stop:  # e.g. pruned by the sweeper: a normal, early end
+        status, error = stop.status, str(stop)
+        summary["stopped_value"] = stop.value
+        return stop.value
+    except lifecycle.Killed:
+        raise
+    except KeyboardInterrupt as err:  # a signal outside the loop, or a second one: no step boundary
+        status, error = "KILLED", str(err) or "interrupted"
+        raise
+    except lifecycle.RunWriteError as err:
+        error = f"{error}; {err}" if status == "KILLED" else str(err)
+        raise
+    except BaseException as err:
+        error = str(err) if isinstance(err, Diverged) else f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        if run is not None and status not in ("FINISHED", "COMPILED"):
+            summarize(run, None, 0)
+        try:
+            life.end(status, error)
+        finally:
+            display.table(summary)
+            plan.world.close()
