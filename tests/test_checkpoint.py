@@ -92,7 +92,7 @@ def test_eval_command_refuses_a_damaged_final_pt(final_pt, damage, reason):
 
 @pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
 def test_resume_refuses_a_damaged_resume_pt(tmp_path, final_pt, damage, reason):
-    resume_pt = damage(final_pt.with_name("resume.pt"))
+    resume_pt = damage(final_pt.rename(final_pt.with_name("resume.pt")))
     result = run_cli([f"resume={resume_pt.parent}", f"hydra.run.dir={tmp_path / 'new'}"], timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
