@@ -42,7 +42,10 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
     if command.checkpoint is not None:
         path = Path(command.checkpoint)
         summary = path.parent / "summary.json"
-        run_id = json.loads(summary.read_text()).get("mlflow_run_id") if summary.is_file() else None
+        try:
+            run_id = json.loads(summary.read_text()).get("mlflow_run_id") if summary.is_file() else None
+        except ValueError as err:
+            raise ConfigError(f"checkpoint={path} is not allowed: its {summary} is not JSON ({err})") from None
         return path, run_id
     from frontier.tracking import checkpoint_of_run
 
@@ -76,12 +79,11 @@ def main(argv: list[str]) -> dict:
 
 def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -> dict:
     """val_bpb on the validation split the checkpoint's run trained against."""
-    import torch
-
+    from frontier.checkpoint import read_checkpoint
     from frontier.data import load_corpus, resolve_splits, validation_rows
     from frontier.evaluate import val_bpb
 
-    saved = torch.load(path, map_location="cpu", weights_only=False)["config"]["data"]
+    saved = read_checkpoint(path, "checkpoint=")["config"]["data"]
     data_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved))
     _, val_split = resolve_splits(data_cfg)
     rows = validation_rows(load_corpus(val_split, tokenizer, data_cfg, "val"), model.config.seq_len,
