@@ -264,9 +264,16 @@ def driver_alive(study: optuna.Study, driver: Process, grace_period: float) -> b
 
 
 def live_drivers(study: optuna.Study, grace_period: float) -> list[Process]:
-    drivers = [Process.parse(key[len("driver:"):]) for key in
-               study._storage.get_study_system_attrs(study._study_id) if key.startswith("driver:")]
-    return [d for d in drivers if driver_alive(study, d, grace_period)]
+    """The drivers of the study that have not ended and still run (or, elsewhere, still beat)."""
+    found = []
+    for key, record in study._storage.get_study_system_attrs(study._study_id).items():
+        if not key.startswith("driver:") or record.get("ended"):
+            continue
+        driver = Process.parse(key[len("driver:"):])
+        alive = driver.alive()
+        if alive or (alive is None and time.time() - record.get("heartbeat", 0) < grace_period):
+            found.append(driver)
+    return found
 
 
 def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[FrozenTrial]:
