@@ -1,10 +1,11 @@
 """`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
 
 Writes report.md (the best trial and the command that reproduces it, the top-10 table, parameter
-importances, why trials failed) and three plots: the optimisation history, val_bpb against the
-fraction of the budget for every trial (from the checkpoints each reported), and the parameter
-importances. They are logged as artifacts of the sweep's parent MLflow run. The sweeper writes
-the same report into <sweep dir>/report when it finishes.
+importances, why trials failed) and plots: the optimisation history, val_bpb against the fraction
+of the budget for every trial (each checkpoint where it was measured), the parameter importances,
+and for `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png). They are logged as
+artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
+<sweep dir>/report when it finishes.
 """
 from __future__ import annotations
 
@@ -20,19 +21,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier.trial import default_storage, is_rdb, open_storage  # noqa: E402
+from frontier.study import default_storage, is_rdb, open_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
 
 
+def objective_name(study: optuna.Study) -> str:
+    return study.user_attrs.get("objective", {}).get("name", "val_bpb")
+
+
+def is_pareto(study: optuna.Study) -> bool:
+    return len(study.directions) > 1
+
+
 def param_importances(study: optuna.Study) -> dict[str, float]:
-    """PED-ANOVA (Optuna's default, pinned): needs a few complete trials that differ."""
+    """PED-ANOVA (Optuna's default, pinned): needs a few complete trials that differ. A pareto
+    study's importances are for val_bpb."""
+    target = (lambda t: t.values[0]) if is_pareto(study) else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return optuna.importance.get_param_importances(
-                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(), target=target)
     except (ValueError, RuntimeError, ZeroDivisionError):
         return {}
 
@@ -40,23 +51,32 @@ def param_importances(study: optuna.Study) -> dict[str, float]:
 def plot_history(study: optuna.Study, path: Path) -> None:
     with warnings.catch_warnings():  # the matplotlib backend is "experimental"
         warnings.simplefilter("ignore")
-        ax = optuna.visualization.matplotlib.plot_optimization_history(study, target_name="val_bpb")
+        ax = optuna.visualization.matplotlib.plot_optimization_history(study, target_name=objective_name(study))
     ax.figure.set_size_inches(8, 5)
     ax.figure.tight_layout()
     ax.figure.savefig(path, dpi=120)
     plt.close(ax.figure)
 
 
+def curve(trial, every: float) -> list[tuple[float, float]]:
+    """A trial's (budget fraction, val_bpb) points: each checkpoint k where it was measured (the
+    trial's `checkpoint_fractions`), else at k * eval.every_fraction; then its final val_bpb."""
+    measured = trial.user_attrs.get("checkpoint_fractions") or {}
+    points = sorted((measured.get(str(k), k * every), v) for k, v in trial.intermediate_values.items())
+    final = trial.user_attrs.get("val_bpb", trial.value if len(trial.values or ()) == 1 else None)
+    if trial.state == TrialState.COMPLETE and final is not None:
+        points.append((1.0, final))
+    return points
+
+
 def plot_curves(study: optuna.Study, path: Path) -> None:
-    """val_bpb at each checkpoint k, placed at k * eval.every_fraction of the budget: every trial
-    is compared at the same charged time, which is what the pruner saw."""
+    """val_bpb at each checkpoint, placed at the fraction of the budget where it was measured: the
+    pruner compares checkpoint k of every trial, and this shows how equal those moments were."""
     every = study.user_attrs.get("every_fraction") or 1.0
     seconds = study.user_attrs.get("budget_seconds")
     fig, ax = plt.subplots(figsize=(8, 5))
     for trial in study.get_trials(deepcopy=False):
-        points = sorted((k * every, v) for k, v in trial.intermediate_values.items())
-        if trial.state == TrialState.COMPLETE:
-            points.append((1.0, trial.value))
+        points = curve(trial, every)
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", lw=1, alpha=0.8, color=COLORS.get(trial.state.name, "black"))
@@ -72,11 +92,30 @@ def plot_curves(study: optuna.Study, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_importances(importances: dict[str, float], path: Path) -> None:
+def plot_pareto(study: optuna.Study, complete: list, front: list, path: Path) -> None:
+    """val_bpb (lower is better) against CORE (higher is better): every complete trial, and the
+    front of those no other trial beats on both."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([t.values[0] for t in complete], [t.values[1] for t in complete], color="tab:gray",
+               label="complete trials")
+    line = sorted((t.values[0], t.values[1]) for t in front)
+    ax.plot(*zip(*line), marker="o", color="tab:red", label="pareto front")
+    for t in front:
+        ax.annotate(str(t.number), (t.values[0], t.values[1]), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("val_bpb (lower is better)")
+    ax.set_ylabel("CORE (higher is better)")
+    ax.set_title(f"{study.study_name}: {len(front)} trial(s) on the front of {len(complete)}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_importances(importances: dict[str, float], path: Path, target: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 1 + 0.5 * len(importances)))
     names = list(importances)[::-1]
     ax.barh(names, [importances[n] for n in names])
-    ax.set_xlabel("importance for val_bpb (PED-ANOVA)")
+    ax.set_xlabel(f"importance for {target} (PED-ANOVA)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -86,33 +125,87 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def metrics_of(trial) -> tuple:
+    """A complete trial's (val_bpb, core): its values in a pareto study, else the user attributes
+    its end recorded (core only where CORE ran)."""
+    if len(trial.values or ()) == 2:
+        return trial.values[0], trial.values[1]
+    return trial.user_attrs.get("val_bpb", trial.value), trial.user_attrs.get("core")
+
+
+def describe_best(trial, objective: str) -> str:
+    bpb, core = metrics_of(trial)
+    if objective == "composite":
+        return f"composite {trial.value:.4f} (val_bpb {_fmt(bpb)}, core {_fmt(core)})"
+    return f"val_bpb {trial.value:.4f}"
+
+
+def leaderboard_scores(trials: list) -> dict[int, float]:
+    """The leaderboard's phase-2 score of each trial with both metrics, min-max over these trials."""
+    from frontier.leaderboard import phase2_scores
+
+    rows = [{"number": t.number, "val_bpb": metrics_of(t)[0], "core": metrics_of(t)[1]} for t in trials]
+    rows = [r for r in rows if isinstance(r["val_bpb"], float) and isinstance(r["core"], float)]
+    return {r["number"]: score for r, score in zip(rows, phase2_scores(rows))} if rows else {}
+
+
 def write_report(study: optuna.Study, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
+    objective = objective_name(study)
     trials = study.get_trials(deepcopy=False)
     counts = {state.name: sum(t.state == state for t in trials) for state in TrialState}
     counts = {name: n for name, n in counts.items() if n}
-    complete = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
-    best = None
-    if complete:
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    best, front = None, []
+    if is_pareto(study):
+        front = sorted(study.best_trials, key=lambda t: t.values[0])
+        complete.sort(key=lambda t: t.values[0])
+    else:
+        complete.sort(key=lambda t: t.value)
+    if complete and not front:
         t = complete[0]
-        best = {"number": t.number, "value": t.value, "params": t.params,
-                "overrides": t.user_attrs.get("overrides", [])}
+        bpb, core = metrics_of(t)
+        best = {"number": t.number, "value": t.value, "val_bpb": bpb, "core": core, "params": t.params,
+                "overrides": t.user_attrs.get("overrides", []), "text": describe_best(t, objective)}
     importances = param_importances(study) if len(complete) >= 2 else {}
+    scores = leaderboard_scores(complete) if objective != "val_bpb" else {}
 
     lines = [f"# Sweep `{study.study_name}`", "",
              f"{len(trials)} trials: " + ", ".join(f"{n} {name.lower()}" for name, n in counts.items()), ""]
+    if objective == "composite":
+        anchors = study.user_attrs.get("objective", {})
+        lines += [f"Objective: composite = 1 - (0.5 norm(val_bpb) + 0.5 norm(core)), minimised; norm is 0 "
+                  f"at the worst anchor and 1 at the best (val_bpb {anchors.get('val_bpb_anchors')}, core "
+                  f"{anchors.get('core_anchors')}). `phase-2` is the leaderboard's score, min-max over these "
+                  "trials (1 = best).", ""]
+    elif objective == "pareto":
+        lines += ["Objective: pareto, val_bpb (lower is better) and CORE (higher is better); the front is "
+                  "the trials no other trial beats on both.", ""]
     if best:
-        lines += [f"**Best**: trial {best['number']}, val_bpb **{best['value']:.4f}**", "", "```",
+        lines += [f"**Best**: trial {best['number']}, {best['text'].replace(' ', ' **', 1)}**", "", "```",
                   "python -m frontier.train " + " ".join(best["overrides"]), "```", ""]
     params = sorted({key for t in trials for key in t.params})
-    lines += ["## Top 10", "", "| rank | trial | val_bpb | charged s | " + " | ".join(params) + " |",
-              "|" + "---|" * (4 + len(params))]
-    for rank, t in enumerate(complete[:10], 1):
-        cells = [str(rank), str(t.number), f"{t.value:.4f}", _fmt(t.user_attrs.get("charged_seconds", ""))]
+    columns = {"val_bpb": ["val_bpb"], "composite": ["composite", "val_bpb", "core", "phase-2"],
+               "pareto": ["val_bpb", "core", "phase-2"]}[objective]
+    ranked = front if front else complete[:10]
+    lines += ["## Pareto front" if front else "## Top 10", "",
+              "| rank | trial | " + " | ".join(columns) + " | charged s | " + " | ".join(params) + " |",
+              "|" + "---|" * (4 + len(columns) + len(params))]
+    for rank, t in enumerate(ranked, 1):
+        bpb, core = metrics_of(t)
+        cell = {"composite": t.value if not front else None, "val_bpb": bpb, "core": core,
+                "phase-2": scores.get(t.number)}
+        cells = [str(rank), str(t.number)] + [_fmt(cell[c]) for c in columns]
+        cells.append(_fmt(t.user_attrs.get("charged_seconds", "")))
         lines.append("| " + " | ".join(cells + [_fmt(t.params.get(p, "")) for p in params]) + " |")
     lines.append("")
+    if front:
+        lines += ["Commands of the front:", "", "```"]
+        lines += [f"python -m frontier.train {' '.join(t.user_attrs.get('overrides', []))}  # trial {t.number}"
+                  for t in front] + ["```", ""]
     if importances:
-        lines += ["## Parameter importances", "", "| parameter | importance |", "|---|---|"]
+        target = "val_bpb" if objective == "pareto" else objective
+        lines += [f"## Parameter importances ({target})", "", "| parameter | importance |", "|---|---|"]
         lines += [f"| {name} | {value:.3f} |" for name, value in importances.items()] + [""]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
@@ -126,16 +219,20 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
 
     files = [out_dir / "report.md"]
     files[0].write_text(text)
-    if complete:
+    if complete and not front:
         plot_history(study, out_dir / "history.png")
         files.append(out_dir / "history.png")
+    if front:
+        plot_pareto(study, complete, front, out_dir / "pareto.png")
+        files.append(out_dir / "pareto.png")
     if any(t.intermediate_values or t.state == TrialState.COMPLETE for t in trials):
         plot_curves(study, out_dir / "val_bpb_vs_budget.png")
         files.append(out_dir / "val_bpb_vs_budget.png")
     if importances:
-        plot_importances(importances, out_dir / "importances.png")
+        plot_importances(importances, out_dir / "importances.png", "val_bpb" if objective == "pareto" else objective)
         files.append(out_dir / "importances.png")
-    return {"best": best, "counts": counts, "importances": importances, "files": files, "text": text}
+    return {"best": best, "front": [t.number for t in front], "counts": counts, "importances": importances,
+            "files": files, "text": text}
 
 
 def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:

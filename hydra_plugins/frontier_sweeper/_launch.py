@@ -52,6 +52,13 @@ class LaunchedTrials:
                               f"launcher ({self.name}): a launched trial is one process; run several "
                               "devices per trial with the built-in workers (hydra/launcher=basic)")
         self.submitit = hasattr(launcher, "_EXECUTOR")  # hydra-submitit-launcher's Local/SlurmLauncher
+        if self.submitit:
+            try:  # here, not at each trial: e.g. submitit_slurm on a machine without SLURM
+                submitit_executor(launcher)
+            except Exception as err:
+                raise ConfigError(f"hydra/launcher=submitit_{launcher._EXECUTOR} is not usable here "
+                                  f"({str(err).strip().splitlines()[0]}): run the sweep on a machine of "
+                                  "the cluster, or use hydra/launcher=basic") from None
         self.lock = threading.Lock()
         self.jobs: set = set()  # submitit jobs still running
         self.cancelled = False

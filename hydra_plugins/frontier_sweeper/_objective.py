@@ -68,7 +68,11 @@ class Objective:
 
     def check_study(self, study: optuna.Study) -> None:
         """A study keeps the objective it started with: its values would not be comparable."""
-        ran_with = study.user_attrs.get("objective", {"name": "val_bpb"} if study.trials else None)
+        legacy = {"name": "val_bpb", "directions": ["minimize"]}  # a study from before sweep.objective
+        ran_with = study.user_attrs.get("objective", legacy if study.trials else None)
+        directions = [d.name.lower() for d in study.directions]
+        if ran_with is None and directions != self.directions:  # created, but no trial yet
+            ran_with = {"directions": directions}
         if ran_with is not None and ran_with != self.describe():
             raise ConfigError(f"sweep.objective={self.name} is not allowed for sweep.study_name="
                               f"{study.study_name!r}: its trials ran with {ran_with}; choose another "

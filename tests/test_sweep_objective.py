@@ -1,0 +1,161 @@
+"""What a sweep optimises: sweep.objective=val_bpb|composite|pareto, sweep.count_failed, and the
+report's plots (checkpoints where they were measured, the pareto front)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from optuna.trial import TrialState, create_trial
+
+from frontier.config import ConfigError
+from frontier.leaderboard import phase2_scores
+from frontier.study import open_storage
+from frontier.sweep_report import curve, write_report
+from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
+    "budget.seconds=60", "budget.max_steps=4", "budget.excluded_steps=0",
+    "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
+    "eval.every_fraction=0.25", "eval.core_max_per_task=2", "tracking.enabled=false",
+]
+ANCHORS = {"name": "composite", "directions": ["minimize"], "val_bpb_anchors": [1.5, 0.8],
+           "core_anchors": [0.0, 0.25]}
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture()
+def make_sweep(tmp_path):
+    """A Sweep from composed config, as the sweeper builds it (every check up front)."""
+    from hydra_plugins.frontier_sweeper._study import Sweep
+
+    def build(*overrides: str):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*TINY, f"sweep.storage={tmp_path / 'study.journal'}", *overrides],
+                          return_hydra_config=True)
+            return Sweep(cfg, list(overrides), GlobalHydra.instance().config_loader())
+
+    yield build
+    GlobalHydra.instance().clear()
+
+
+# -----------------------------------------------------------------------------
+# The objective's values
+
+
+def test_composite_is_the_phase2_score_as_a_loss_against_fixed_anchors():
+    assert composite(0.8, 0.25, [1.5, 0.8], [0.0, 0.25]) == pytest.approx(0.0)  # both at the best anchor
+    assert composite(1.5, 0.0, [1.5, 0.8], [0.0, 0.25]) == pytest.approx(1.0)  # both at the worst
+    # With the pool's min and max as anchors it ranks as the leaderboard's phase-2 score (reversed).
+    rows = [{"val_bpb": 0.9, "core": 0.10}, {"val_bpb": 1.1, "core": 0.20}, {"val_bpb": 1.0, "core": 0.12}]
+    scores = phase2_scores(rows)
+    losses = [composite(r["val_bpb"], r["core"], [1.1, 0.9], [0.10, 0.20]) for r in rows]
+    assert losses == pytest.approx([1 - s for s in scores])
+    # A trial's value depends on its own run and the anchors only, never on other trials.
+    assert composite(1.0, 0.12, [1.5, 0.8], [0.0, 0.25]) == pytest.approx(1 - (0.5 * 0.5 / 0.7 + 0.5 * 0.12 / 0.25))
+
+
+def test_each_objective_takes_its_values_from_the_summary():
+    summary = {"status": "FINISHED", "val_bpb": 1.0, "core": 0.12}
+    assert trial_values(None, summary)[0] == [1.0]
+    assert trial_values({"name": "pareto"}, summary)[0] == [1.0, 0.12]
+    assert trial_values(ANCHORS, summary)[0] == [pytest.approx(composite(1.0, 0.12, [1.5, 0.8], [0.0, 0.25]))]
+    values, why = trial_values(ANCHORS, {"status": "FINISHED", "val_bpb": 1.0})
+    assert values is None and "no CORE" in why
+    assert trial_values(None, {"val_bpb": float("nan")})[0] is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sweep.objective=pareto"], "sweep.pruner='hyperband' is not allowed with sweep.objective=pareto: "
+                                 "Optuna's multi-objective studies cannot prune; add sweep.pruner=none"),
+    (["sweep.objective=best"], "sweep.objective='best' is not allowed: choose one of val_bpb, composite, pareto"),
+    (["sweep.objective=composite", "eval.core=false"], "eval.core=False is not allowed with sweep.objective=composite"),
+    (["sweep.objective=composite", "eval.core_bundle=/nowhere"], "it has no core.yaml"),
+    (["sweep.objective=composite", "sweep.composite_core=[0.1,0.1]"], "sweep.composite_core=[0.1, 0.1] is not allowed"),
+])
+def test_bad_objective_input_is_one_clear_error(make_sweep, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_sweep("sweep=lr", *overrides)
+
+
+def test_a_study_keeps_its_objective(make_sweep):
+    make_sweep("sweep=lr", "sweep.study_name=keep").study.add_trial(create_trial(value=1.0))
+    with pytest.raises(ConfigError, match="sweep.objective=composite is not allowed for sweep.study_name='keep'"):
+        make_sweep("sweep=lr", "sweep.study_name=keep", "sweep.objective=composite")
+
+
+def test_composite_and_pareto_trials_compute_core(make_sweep):
+    sweep = make_sweep("sweep=lr", "sweep.objective=pareto", "sweep.pruner=none")
+    assert "eval.core=true" in sweep.fixed
+    assert sweep.study.directions == [optuna.study.StudyDirection.MINIMIZE, optuna.study.StudyDirection.MAXIMIZE]
+
+
+def test_failed_trials_need_not_count_toward_n_trials(make_sweep):
+    sweep = make_sweep("sweep=lr", "sweep.n_trials=2", "sweep.count_failed=false")
+    for state in (TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE):
+        sweep.study.add_trial(create_trial(state=state, value=1.0 if state == TrialState.COMPLETE else None))
+    assert counted_trials(sweep.study, count_failed=False) == 1 and counted_trials(sweep.study, True) == 3
+    assert sweep.limit_reached() == ""  # one counted trial of two
+    sweep.failures = 11  # ... but sweep.max_failures still stops it
+    assert "sweep.max_failures=10" in sweep.limit_reached()
+    counting = make_sweep("sweep=lr", "sweep.n_trials=2", "sweep.study_name=counting")
+    counting.study.add_trial(create_trial(state=TrialState.FAIL))
+    counting.study.add_trial(create_trial(state=TrialState.FAIL))
+    assert "sweep.n_trials=2" in counting.limit_reached()
+
+
+# -----------------------------------------------------------------------------
+# The report
+
+
+def test_the_report_plots_each_checkpoint_where_it_was_measured():
+    measured = create_trial(value=3.9, intermediate_values={1: 4.3, 2: 4.1},
+                            user_attrs={"checkpoint_fractions": {"1": 0.17, "2": 0.52}})
+    assert curve(measured, 0.25) == [(0.17, 4.3), (0.52, 4.1), (1.0, 3.9)]
+    older = create_trial(state=TrialState.PRUNED, value=4.3, intermediate_values={1: 4.3})
+    assert curve(older, 0.25) == [(0.25, 4.3)]  # no fractions recorded: k * every_fraction
+
+
+def test_the_report_draws_the_pareto_front(tmp_path):
+    study = optuna.create_study(study_name="front", directions=["minimize", "maximize"],
+                                storage=open_storage(str(tmp_path / "s.journal")))
+    study.set_user_attr("objective", {"name": "pareto", "directions": ["minimize", "maximize"]})
+    for bpb, core in [(1.0, 0.10), (1.1, 0.20), (1.2, 0.05)]:  # the last is beaten on both
+        study.add_trial(create_trial(values=[bpb, core], params={"x": bpb},
+                                     distributions={"x": optuna.distributions.FloatDistribution(0, 2)}))
+    report = write_report(study, tmp_path / "report")
+    assert report["front"] == [0, 1] and report["best"] is None
+    assert (tmp_path / "report" / "pareto.png").stat().st_size > 0
+    assert "## Pareto front" in report["text"] and "# trial 1" in report["text"]
+
+
+# -----------------------------------------------------------------------------
+# Through the command line
+
+
+@pytest.mark.slow
+def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr",
+                           "sweep.sampler=random", "sweep.objective=pareto", "sweep.pruner=none",
+                           "sweep.n_trials=2", f"sweep.storage={storage}", "sweep.study_name=pareto",
+                           f"hydra.sweep.dir={tmp_path / 'out'}"],
+                          cwd=ROOT, text=True, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert done.returncode == 0, done.stdout[-3000:]
+    study = optuna.load_study(study_name="pareto", storage=open_storage(storage))
+    trials = study.get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    for t in trials:
+        assert t.values == [t.user_attrs["val_bpb"], t.user_attrs["core"]]
+        assert t.user_attrs["checkpoint_fractions"]  # recorded, though a pareto study takes no reports
+    assert "pareto front (val_bpb, core): trials" in done.stdout
+    assert (tmp_path / "out" / "report" / "pareto.png").stat().st_size > 0
