@@ -83,7 +83,7 @@ def _download_hub_shards(cfg: DataConfig) -> tuple[Split, Split]:
     """Fetch shard_%05d.parquet files of a hub dataset; the last shard is validation."""
     from huggingface_hub import hf_hub_download
 
-    target = project_path(cfg.cache_dir) / "hub" / cfg.hub_repo.replace("/", "__")
+    target = _cache_folder(cfg, "hub", cfg.hub_repo.replace("/", "__"))
 
     def fetch(index: int) -> Path:
         name = f"shard_{index:05d}.parquet"
@@ -116,8 +116,9 @@ def _check_utf8(path: Path) -> None:
             except UnicodeDecodeError as err:
                 in_block = max(0, err.start - pending)
                 line = lines + block[:in_block].count(b"\n") + 1
-                raise DataError(f"{path} is not valid UTF-8: byte {offset + in_block} (line {line}) is "
-                                f"{err.object[err.start:err.start + 1].hex()}; re-encode the file as UTF-8") from None
+                bad = err.object[err.start:err.start + 1].hex()
+                raise DataError(f"cannot read {path}: it is not valid UTF-8 (byte {offset + in_block}, "
+                                f"line {line}, is 0x{bad}); re-encode it as UTF-8") from None
             if not block:
                 return
             offset, lines = offset + len(block), lines + block.count(b"\n")

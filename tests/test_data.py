@@ -197,7 +197,8 @@ def test_invalid_utf8_names_the_file_the_byte_and_the_line(tmp_path):
     bad.write_bytes(good + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
     cfg = config(tmp_path, folder)
     train, _ = resolve_splits(cfg)
-    with pytest.raises(DataError, match=f"{bad} is not valid UTF-8: byte {len(good) + 13} \\(line 41\\) is e9"):
+    message = f"cannot read {bad}: it is not valid UTF-8 \\(byte {len(good) + 13}, line 41, is 0xe9\\); re-encode"
+    with pytest.raises(DataError, match=message):
         load_tokenizer(cfg, train)
 
 
@@ -242,7 +243,8 @@ def test_cli_invalid_utf8_is_one_sentence_naming_the_file(tmp_path):
     folder = write_text_shards(tmp_path / "s", ".jsonl")
     with open(folder / "shard_00000.jsonl", "ab") as f:
         f.write(b'{"text": "\xff"}\n')
-    assert last_line(cli(tmp_path, folder)).startswith(f"error: {folder / 'shard_00000.jsonl'} is not valid UTF-8")
+    assert last_line(cli(tmp_path, folder)).startswith(
+        f"error: cannot read {folder / 'shard_00000.jsonl'}: it is not valid UTF-8")
 
 
 @pytest.mark.parametrize("name", ["table.csv", "README"])
