@@ -4,12 +4,15 @@ task function, reporting its checkpoints to the shared storage, so pruning and t
 work as with the built-in workers."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import optuna
 import pytest
+from omegaconf import OmegaConf
 from optuna.trial import TrialState, create_trial
 
 from frontier.config import ConfigError
@@ -58,6 +61,9 @@ def test_submitit_local_trials_report_to_the_study_and_get_their_composite_value
     assert first.value == pytest.approx(composite(first.user_attrs["val_bpb"], first.user_attrs["core"],
                                                   [1.5, 0.8], [0.0, 0.25]))
     assert any((tmp_path / "out" / ".submitit").iterdir())  # the jobs' own folders
+    # the job learnt its driver, and its worker's device share, from hydra.job.env_set
+    env_set = OmegaConf.load(tmp_path / "out" / "0" / ".hydra" / "hydra.yaml").hydra.job.env_set
+    assert {"FRONTIER_SWEEP_DRIVER", "OMP_NUM_THREADS"} <= set(env_set)
 
 
 @pytest.mark.slow
@@ -75,11 +81,65 @@ def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path):
     assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
 
 
-def test_a_launched_trial_owns_one_process(tmp_path):
-    from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+# The trn2 line of README's sweep section, as Hydra composes it.
+TRN2 = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=trn2", "hydra.launcher.timeout_min=60",
+        "hydra.launcher.cpus_per_task=32", "+hydra.launcher.additional_parameters.exclusive=true"]
 
-    assert is_builtin(None) and not is_builtin(LocalLauncher())
-    assert LaunchedTrials(LocalLauncher(), 1).local and not LaunchedTrials(SlurmLauncher(), 1).local
+
+def test_the_readme_slurm_line_submits_one_job_per_trial(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin, submitit_executor
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TRN2, f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert not is_builtin(launcher)
+    if shutil.which("srun") is None:  # no SLURM here: one sentence, before any trial
+        with pytest.raises(ConfigError, match="hydra/launcher=submitit_slurm is not usable here"):
+            LaunchedTrials(launcher, 1)
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "srun").write_text("#!/bin/sh\n")
+        (fake / "srun").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert not LaunchedTrials(launcher, 1).local  # SLURM gives each job its devices
+    script = submitit_executor(launcher)._executor._make_submission_file_text("python -m x", "uid")
+    for line in ("#SBATCH --partition=trn2", "#SBATCH --exclusive", "#SBATCH --cpus-per-task=32",
+                 "#SBATCH --time=60"):
+        assert line in script
     with pytest.raises(ConfigError, match="sweep.devices_per_trial=2 is not allowed with a Hydra launcher"):
-        LaunchedTrials(SlurmLauncher(), 2)
+        LaunchedTrials(launcher, 2)
+
+
+def test_any_other_launcher_runs_one_trial_per_launch_pinned_to_its_worker(tmp_path):
+    """submitit_local gives every job the same CUDA_VISIBLE_DEVICES, so the worker's own devices
+    travel in hydra.job.env_set, which Hydra applies in the job before the task function."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.plugins.launcher import Launcher
+
+    from hydra_plugins.frontier_sweeper._launch import LaunchedTrials
+
+    class Recording(Launcher):
+        def __init__(self, status):
+            self.status, self.calls = status, []
+
+        def setup(self, **kwargs):
+            pass
+
+        def launch(self, job_overrides, initial_job_idx):
+            self.calls.append((list(job_overrides[0]), initial_job_idx))
+            failed = self.status == JobStatus.FAILED
+            return [JobReturn(status=self.status, _return_value=RuntimeError("boom") if failed else 1.0)]
+
+    run_dir = tmp_path / "7"
+    run_dir.mkdir()
+    launcher = Recording(JobStatus.COMPLETED)
+    assert LaunchedTrials(launcher, 1).run(["model=tiny"], 7, run_dir, {"CUDA_VISIBLE_DEVICES": "1"}) == 0
+    overrides, number = launcher.calls[0]
+    assert number == 7 and overrides[0] == "model=tiny"
+    assert {f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=7",
+            "++hydra.job.env_set.CUDA_VISIBLE_DEVICES=1"} <= set(overrides)
+    assert LaunchedTrials(Recording(JobStatus.FAILED), 1).run([], 7, run_dir, {}) == 1
+    assert (run_dir / "output.log").read_text().splitlines()[-1] == "error: RuntimeError: boom"
