@@ -302,9 +302,12 @@ class TrackingConfig:
     log_checkpoint: bool = False
     run_name: Optional[str] = None
     parent_run_id: Optional[str] = None  # set by the sweeper: trials are nested under the sweep's run
+    flush_seconds: float = 10.0  # at the end, how long to wait for the store; the rest is left to `sync`
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment), "tracking.experiment", self.experiment, "name an MLflow experiment")
+        _require(0 <= self.flush_seconds < float("inf"), "tracking.flush_seconds", self.flush_seconds,
+                 "a finite number of seconds >= 0")
 
 
 @dataclass

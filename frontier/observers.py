@@ -11,10 +11,14 @@ may implement any of:
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
 import sys
 import time
 import weakref
+from pathlib import Path
 
 
 class StopRun(Exception):
@@ -60,17 +64,69 @@ def _warn_once(sink, event: str, err: BaseException) -> None:
 
 
 class MetricsFile:
-    """metrics.jsonl in the run directory: every logged point, whatever happens to the tracker."""
+    """metrics.jsonl in the run directory: every point, on disk before any other sink sees it.
 
-    def __init__(self, path):
-        self.path = path
+    One JSON record a line: {"step", "time", <metrics>} at the metrics cadence; {"step", "time",
+    "checkpoint": k, "val_bpb", "progress"} at each budget checkpoint; and at the end one
+    {"step", "time", "final": true, "status", <every number of the summary>}. This file is what
+    `python -m frontier.tracking sync RUN_DIR` pushes to MLflow when the store missed something.
 
-    def _write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    On `resume=` the records the stopped process wrote after its resume point (and its final
+    record) are dropped first, in one atomic rewrite, so that every step is in the file once.
+    """
+
+    def __init__(self, path, resume_step: int | None = None):
+        self.path = Path(path)
+        if resume_step is not None and self.path.exists():
+            self._keep_until(resume_step)
+
+    @classmethod
+    def for_run(cls, run) -> "MetricsFile":
+        return cls(run.run_dir / "metrics.jsonl", run.summary.get("resume_step"))
 
     def on_log(self, metrics: dict, step: int) -> None:
         self._write({"step": step, "time": time.time(), **metrics})
 
     def on_checkpoint(self, k: int, val_bpb: float, step: int, progress: float) -> None:
         self._write({"step": step, "time": time.time(), "checkpoint": k, "val_bpb": val_bpb, "progress": progress})
+
+    def on_end(self, summary: dict, status: str, error: str | None) -> None:
+        self._write(final_record(summary, status))
+
+    def _write(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _keep_until(self, step: int) -> None:
+        kept = [r for r in read_records(self.path) if r["step"] <= step and "final" not in r]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+
+
+RECORD_FIELDS = ("step", "time", "checkpoint", "final", "status")  # a record's bookkeeping, not metrics
+
+
+def read_records(path) -> list[dict]:
+    """The records of a metrics.jsonl; a line cut short by a killed process is left out."""
+    records = []
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
+def final_record(summary: dict, status: str) -> dict:
+    """The last record of a run: its status and every finite number of its summary, at its last step."""
+    numbers = {k: v for k, v in summary.items() if k not in RECORD_FIELDS and is_finite_number(v)}
+    return {"step": summary.get("steps") or 0, "time": time.time(), "final": True, "status": status, **numbers}
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -16,9 +16,13 @@ Trainer status -> MLflow status: FINISHED and COMPILED end FINISHED; FAILED ends
 error is in the `error` tag); KILLED and PRUNED end KILLED, so that the UI's FINISHED filter
 keeps complete runs only. The `status` tag always holds the trainer's word (e.g. PRUNED).
 
-After the run is created, everything is logged from a background thread: a slow or dead tracking
-server never stalls the training loop, and a logging error is reported once and then logging
-stops, while the run itself goes on to write its summary.json.
+Nothing is lost when the store fails. Every point is in the run's metrics.jsonl before it is sent
+(frontier.observers.MetricsFile); after the run is created everything is sent from one background
+thread, which retries with backoff while the store does not answer and never drops a later point;
+the end of the run waits a bounded time (`tracking.flush_seconds`) for it. What the store has not
+acknowledged (recorded in the run's tracking.json) is replayed from metrics.jsonl on `resume=` and
+by `python -m frontier.tracking sync RUN_DIR`, which also creates the MLflow run if it never
+existed; a (key, step) the run already holds is never sent twice.
 
 The sweeper uses `ensure_store`, `start_parent_run`, `end_parent_run` and `close_runs`; each trial becomes a
 child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
@@ -26,6 +30,7 @@ child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import requests
+import sqlalchemy.exc
 from filelock import FileLock
 from hydra.core.hydra_config import HydraConfig
 from matplotlib.figure import Figure
@@ -49,7 +55,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
-from frontier.config import PROJECT_ROOT, ConfigError, project_path
+from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, project_path
+from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
 # MLflow's limits: param and tag value lengths, params/tags per log_batch call, metrics per call.
 MAX_PARAM_CHARS = 6000
@@ -58,8 +65,17 @@ PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
 
 PROBE_SECONDS = 5.0  # how long the start-up check waits for an HTTP tracking server
-FLUSH_SECONDS = 300.0  # how long the end of a run waits for logging to drain (checkpoint uploads)
 LOCKED_RETRIES = 12  # "database is locked" retries, with backoff, about 30 s in all
+MAX_BACKOFF_SECONDS = 8.0  # the logging thread's longest pause between tries while the store is down
+ACK_FILE = "tracking.json"
+# Errors with which a store refuses a call (retrying cannot help), as opposed to not answering it.
+REFUSED_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
+                  "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED", "ENDPOINT_NOT_FOUND"}
+
+# MLflow's HTTP client would retry one call for minutes (7 tries, 120-s timeout): our calls fail fast
+# instead, and the logging thread paces its own retries. A user's own settings win.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 MLFLOW_STATUS = {
     "FINISHED": "FINISHED",
@@ -157,36 +173,51 @@ def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> None:
 
 
 class MlflowObserver:
-    """Follows one training run; see frontier/observers.py for when each hook is called."""
+    """Follows one training run; see frontier/observers.py for when each hook is called.
 
-    def __init__(self, client: MlflowClient | None, run_id: str | None, run_dir: Path,
-                 log_checkpoint: bool):
+    The hooks only queue work, which one logging thread sends in order: a slow or dead store never
+    stalls training. A call the store does not answer is retried with backoff until it does, so no
+    later point is ever dropped (one warning when the store goes away, one when it is back); a call
+    the store refuses (a deleted run, a value it rejects) is skipped with one warning. `on_end`
+    waits up to `tracking.flush_seconds` for the thread; whatever the store has not taken by then is
+    in metrics.jsonl and summary.json, and `python -m frontier.tracking sync RUN_DIR` pushes it.
+    """
+
+    def __init__(self, client: MlflowClient | None, uri: str | None, run_id: str | None, run_dir: Path,
+                 cfg, resume_step: int | None = None):
         self.client = client  # None: tracking is off for this run (unreachable, not required)
+        self.uri = uri
         self.run_id = run_id
         self.run_dir = Path(run_dir)
-        self.log_checkpoint = log_checkpoint
-        self.failed = False
-        self.loss_points: list[tuple[float, float]] = []  # (charged seconds, train loss)
-        self.val_points: list[tuple[float, float]] = []  # (charged seconds, val_bpb)
-        self.seconds_at_step: dict[int, float] = {}
+        self.log_checkpoint = cfg.log_checkpoint
+        self.flush_seconds = cfg.flush_seconds
+        self.delivered = False  # every call taken and the terminal status set
+        self.have: set[tuple[str, int]] = set()  # (key, step) of the points the run holds in MLflow
         self._queue: queue.Queue = queue.Queue()
+        self._give_up = threading.Event()
+        self._exit_deadline: float | None = None
+        self._down = False  # the store stopped answering (and we said so)
+        self._refused = False  # the store refused a call (and we said so)
         self._thread = None
         if client is not None:
-            self._thread = threading.Thread(target=self._drain, name="mlflow-logging", daemon=True)
+            # Not a daemon: what is queued is sent before the process exits (within flush_seconds).
+            self._thread = threading.Thread(target=self._drain, name="mlflow-logging")
             self._thread.start()
+            if resume_step is not None:
+                self._submit(self._catch_up, resume_step)
 
     @classmethod
     def for_run(cls, run) -> "MlflowObserver":
-        """Creates the MLflow run before training starts, so a bad store fails fast."""
+        """Creates (or, on `resume=`, reopens) the MLflow run before training, so a bad store fails fast."""
         cfg = run.config.tracking
         try:
-            client, run_id = _start_run(cfg, run)
+            client, uri, run_id = _start_run(cfg, run)
         except ConfigError as err:
             if cfg.required:
                 raise
             _warn(f"{err}; training without tracking (tracking.required=false)")
-            return cls(None, None, run.run_dir, cfg.log_checkpoint)
-        return cls(client, run_id, run.run_dir, cfg.log_checkpoint)
+            return cls(None, None, None, run.run_dir, cfg)
+        return cls(client, uri, run_id, run.run_dir, cfg, run.summary.get("resume_step"))
 
     def on_start(self, summary: dict) -> None:
         tags = {
@@ -200,82 +231,199 @@ class MlflowObserver:
         self._submit(_log_batch, self.client, self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def on_log(self, metrics: dict, step: int) -> None:
-        now = _now_ms()
-        seconds = metrics.get("charged_seconds")
-        if seconds is not None:
-            self.seconds_at_step[step] = seconds
-            if "train/loss" in metrics:
-                self.loss_points.append((seconds, metrics["train/loss"]))
-        points = [Metric(k, float(v), now, step) for k, v in metrics.items() if _is_number(v)]
-        self._submit(_log_metrics, self.client, self.run_id, points)
+        self._submit(self._send_points, _points(metrics, step, _now_ms()))
 
     def on_checkpoint(self, k: int, val_bpb: float, step: int, progress: float) -> None:
-        self.val_points.append((self._seconds_at(step), val_bpb))
-        point = Metric("val_bpb", float(val_bpb), _now_ms(), step)
-        self._submit(_log_metrics, self.client, self.run_id, [point])
+        self._submit(self._send_points, _points({"val_bpb": val_bpb}, step, _now_ms()))
 
     def on_end(self, summary: dict, status: str, error: str | None) -> None:
         if self._thread is None:
             return
-        self._submit(self._finish, dict(summary), status, error)
-        self._queue.put(None)  # the worker stops after this
-        self._thread.join(5.0)
+        summary = {**summary, "status": status, "error": error}
+        self._submit(self._replay)  # whatever metrics.jsonl holds that MLflow does not
+        for fn, *args in _end_calls(self.client, self.run_id, self.run_dir, summary,
+                                    final_record(summary, status), self.log_checkpoint):
+            self._submit(fn, *args)
+        self._submit(self._acknowledged, status)
+        self._queue.put(None)  # the thread stops after this
+        self._thread.join(self.flush_seconds)
         if self._thread.is_alive():
-            _warn(f"waiting up to {FLUSH_SECONDS:.0f} s for the tracking store to take the last results")
-            self._thread.join(FLUSH_SECONDS)
-        if self._thread.is_alive():
-            _warn(f"the tracking store did not take the final results of run {self.run_id}; they are in "
-                  f"{self.run_dir / 'summary.json'}")
+            self._give_up.set()
+            if not self._down:  # the warning of an outage already named the sync command
+                _warn(f"{self.uri} has not taken all of run {self.run_id} within tracking.flush_seconds="
+                      f"{self.flush_seconds:g}; push the rest later with "
+                      f"`python -m frontier.tracking sync {self.run_dir}`")
 
-    # -- internals
+    # -- the logging thread
 
     def _submit(self, fn: Callable, *args, **kwargs) -> None:
-        if self._thread is not None and not self.failed:
+        if self._thread is not None:
             self._queue.put((fn, args, kwargs))
 
     def _drain(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if threading.main_thread().is_alive():
+                    continue
+                return  # the process is exiting without on_end, and nothing is left to send
             if item is None:
                 return
-            if self.failed:
-                continue  # after the first error nothing more is sent
             fn, args, kwargs = item
+            self._call(fn, *args, **kwargs)
+
+    def _call(self, fn: Callable, *args, **kwargs) -> bool:
+        """fn(...) until the store takes it; False when the store refused it or we gave up."""
+        delay = 0.5
+        while not self._giving_up():
             try:
                 fn(*args, **kwargs)
             except Exception as err:
-                self.failed = True
-                _warn(f"logging to the tracking store failed ({_oneline(err)}); logging stops for run "
-                      f"{self.run_id}, training goes on and its results will be in "
-                      f"{self.run_dir / 'summary.json'}")
+                if not _transient(err):
+                    if not self._refused:
+                        self._refused = True
+                        _warn(f"{self.uri} refused a call for run {self.run_id} ({_oneline(err)}); it is "
+                              f"skipped and logging goes on")
+                    return False
+                if not self._down:
+                    self._down = True
+                    _warn(f"{self.uri} does not answer ({_oneline(err)}); retrying in the background, every "
+                          f"point is kept in {self.run_dir / 'metrics.jsonl'}; if the store is still down "
+                          f"when the run ends, push it later with `python -m frontier.tracking sync {self.run_dir}`")
+                self._give_up.wait(delay)
+                delay = min(2 * delay, MAX_BACKOFF_SECONDS)
+                continue
+            if self._down:
+                self._down = False
+                _warn(f"{self.uri} answers again; sending what it missed")
+            return True
+        return False
 
-    def _seconds_at(self, step: int) -> float:
-        """Charged seconds at a step: the last log at or before it (the loop logs before it evaluates)."""
-        earlier = [s for s in self.seconds_at_step if s <= step]
-        return self.seconds_at_step[max(earlier)] if earlier else 0.0
+    def _giving_up(self) -> bool:
+        if not self._give_up.is_set() and not threading.main_thread().is_alive():
+            # The process is exiting without on_end: the same bounded wait, then stop.
+            now = time.monotonic()
+            self._exit_deadline = self._exit_deadline or now + self.flush_seconds
+            if now > self._exit_deadline:
+                self._give_up.set()
+        return self._give_up.is_set()
 
-    def _finish(self, summary: dict, status: str, error: str | None) -> None:
-        client, run_id = self.client, self.run_id
-        try:
-            step = int(summary.get("steps", 0) or 0)
-            now = _now_ms()
-            finals = [Metric(k, float(v), now, step) for k, v in summary.items()
-                      if _is_number(v) and math.isfinite(v)]
-            _log_metrics(client, run_id, finals)
-            _retry(client.log_text, run_id, json.dumps(summary, indent=2, default=str), "summary.json")
-            bpb = summary.get("val_bpb")
-            if _is_number(bpb) and math.isfinite(bpb):
-                self.val_points.append((summary.get("charged_seconds", 0.0), bpb))
-            if self.loss_points or self.val_points:
-                _retry(client.log_figure, run_id, curves(self.loss_points, self.val_points), "curves.png")
-            checkpoint = self.run_dir / "final.pt"
-            if self.log_checkpoint and status == "FINISHED" and checkpoint.exists():
-                _retry(client.log_artifact, run_id, str(checkpoint), "checkpoint")
-                _retry(client.log_artifact, run_id, str(self.run_dir / "tokenizer.json"), "checkpoint")
-        finally:  # an artifact that fails to upload must not leave the run RUNNING forever
-            tags = {"status": status, **({"error": error} if error else {})}
-            _log_batch(client, run_id, tags=[RunTag(k, v) for k, v in _clip_tags(tags).items()])
-            _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, "FAILED"))
+    def _send_points(self, points: list[Metric]) -> None:
+        missing = [m for m in points if (m.key, m.step) not in self.have]  # a resumed run's steps may be there
+        _log_metrics(self.client, self.run_id, missing)
+        self.have.update((m.key, m.step) for m in missing)
+
+    def _catch_up(self, resume_step: int) -> None:
+        """On `resume=`: what MLflow holds, then what the stopped process logged but never sent."""
+        self.have = _history(self.client, self.run_id)
+        records = [r for r in read_records(self.run_dir / "metrics.jsonl") if r["step"] <= resume_step]
+        _send_missing(self.client, self.run_id, records, self.have)
+
+    def _replay(self) -> None:
+        _send_missing(self.client, self.run_id, read_records(self.run_dir / "metrics.jsonl"), self.have)
+
+    def _acknowledged(self, status: str) -> None:
+        lines = len(read_records(self.run_dir / "metrics.jsonl"))
+        write_ack(self.run_dir, self.uri, self.run_id, acked_records=lines, terminal_status=status)
+        self.delivered = not self._refused
+
+
+# -----------------------------------------------------------------------------
+# What both the observer and `sync` send
+
+
+def _points(metrics: dict, step: int, timestamp_ms: int) -> list[Metric]:
+    return [Metric(k, float(v), timestamp_ms, step) for k, v in metrics.items()
+            if k not in RECORD_FIELDS and is_finite_number(v)]
+
+
+def _record_points(record: dict) -> list[Metric]:
+    """The points of one metrics.jsonl record, as the observer sent them live (a checkpoint: val_bpb)."""
+    metrics = {"val_bpb": record["val_bpb"]} if "checkpoint" in record else record
+    return _points(metrics, record["step"], int(record["time"] * 1000))
+
+
+def _history(client: MlflowClient, run_id: str) -> set[tuple[str, int]]:
+    """(key, step) of every point the run holds."""
+    keys = _retry(client.get_run, run_id).data.metrics
+    return {(key, m.step) for key in keys for m in _retry(client.get_metric_history, run_id, key)}
+
+
+def _send_missing(client: MlflowClient, run_id: str, records: list[dict], have: set) -> int:
+    """Sends the points of `records` (not the final record) that MLflow does not hold; how many."""
+    missing = {}
+    for record in records:
+        if "final" not in record:
+            for m in _record_points(record):
+                if (m.key, m.step) not in have:
+                    missing.setdefault((m.key, m.step), m)  # the first, as live logging would have kept it
+    _log_metrics(client, run_id, list(missing.values()))
+    have.update(missing)
+    return len(missing)
+
+
+def _push_final(client: MlflowClient, run_id: str, final: dict) -> int:
+    """The summary's numbers as the run's latest values, at its last step; those already latest are skipped."""
+    latest = _retry(client.get_run, run_id).data.metrics
+    points = [m for m in _record_points(final) if latest.get(m.key) != m.value]
+    _log_metrics(client, run_id, points)
+    return len(points)
+
+
+def _end_calls(client: MlflowClient, run_id: str, run_dir: Path, summary: dict, final: dict,
+               log_checkpoint: bool) -> list[tuple]:
+    """The end of a run in MLflow, one call each, so that one failing never skips the next: final
+    metrics, summary.json, curves.png, the checkpoint when asked for, then tags and status."""
+    calls = [(_push_final, client, run_id, final),
+             (_retry, client.log_text, run_id, json.dumps(summary, indent=2, default=str), "summary.json"),
+             (_log_curves, client, run_id, run_dir, summary)]
+    if log_checkpoint and summary["status"] == "FINISHED" and (run_dir / "final.pt").exists():
+        calls.append((_log_checkpoint, client, run_id, run_dir))
+    calls.append((_set_status, client, run_id, summary["status"], summary.get("error"), int(final["time"] * 1000)))
+    return calls
+
+
+def _log_curves(client: MlflowClient, run_id: str, run_dir: Path, summary: dict) -> None:
+    loss_points, val_points, seconds = [], [], 0.0
+    for record in read_records(run_dir / "metrics.jsonl"):
+        if "final" in record:
+            continue
+        if "checkpoint" in record:  # the loop logs before it evaluates: the last log's charged seconds
+            val_points.append((seconds, record["val_bpb"]))
+        elif is_finite_number(record.get("charged_seconds")):
+            seconds = record["charged_seconds"]
+            if is_finite_number(record.get("train/loss")):
+                loss_points.append((seconds, record["train/loss"]))
+    if is_finite_number(summary.get("val_bpb")):
+        val_points.append((summary.get("charged_seconds") or seconds, summary["val_bpb"]))
+    if loss_points or val_points:
+        _retry(client.log_figure, run_id, curves(loss_points, val_points), "curves.png")
+
+
+def _log_checkpoint(client: MlflowClient, run_id: str, run_dir: Path) -> None:
+    if any(info.path == "checkpoint/final.pt" for info in _retry(client.list_artifacts, run_id, "checkpoint")):
+        return  # already uploaded (by an earlier sync)
+    _retry(client.log_artifact, run_id, str(run_dir / "tokenizer.json"), "checkpoint")
+    _retry(client.log_artifact, run_id, str(run_dir / "final.pt"), "checkpoint")
+
+
+def _set_status(client: MlflowClient, run_id: str, status: str, error: str | None, end_time_ms: int) -> None:
+    """The `status` and `error` tags, then the MLflow status (left alone when it is already right)."""
+    run = _retry(client.get_run, run_id)
+    tags = {"status": status, **({"error": error} if error else {})}
+    _log_batch(client, run_id, tags=[RunTag(k, v) for k, v in _clip_tags(tags).items()])
+    if not error and "error" in run.data.tags:
+        _retry(client.delete_tag, run_id, "error")
+    if run.info.status != MLFLOW_STATUS.get(status, "FAILED"):
+        _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, "FAILED"), end_time_ms)
+
+
+def _transient(err: Exception) -> bool:
+    """A store that does not answer (worth retrying), as opposed to one that refuses the call."""
+    if isinstance(err, MlflowException):
+        return err.error_code not in REFUSED_ERRORS
+    return isinstance(err, (requests.RequestException, OSError, sqlalchemy.exc.OperationalError))
 
 
 def curves(loss_points: list, val_points: list) -> Figure:
@@ -344,38 +492,55 @@ def log_metrics_to_run(tracking_cfg, run_id: str, metrics: dict) -> None:
                                   if _is_number(v) and math.isfinite(v)])
 
 
-def _start_run(cfg, run) -> tuple[MlflowClient, str]:
+def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
     uri = tracking_uri(cfg)
     ensure_store(uri)
     client = MlflowClient(uri)
     try:
-        if cfg.parent_run_id:  # a trial: same experiment as its sweep, or the UI will not nest it
-            experiment_id = _retry(client.get_run, cfg.parent_run_id).info.experiment_id
-        else:
-            experiment_id = _experiment_id(client, uri, cfg.experiment)
         resumed = run.summary.get("mlflow_run_id")
+        ack = read_ack(run.run_dir)
+        if "resume_step" in run.summary and not resumed and ack.get("uri") == uri:
+            resumed = ack.get("run_id")  # created later by `sync`
         if resumed:  # `resume=`: the same MLflow run goes on
-            _retry(client.update_run, resumed, status="RUNNING")
-            run.summary["mlflow_run_id"] = resumed
-            return client, resumed
-        tags = {**_source_tags(), "run_dir": str(Path(run.run_dir).resolve())}
-        if cfg.parent_run_id:
-            tags[MLFLOW_PARENT_RUN_ID] = cfg.parent_run_id
-        created = _retry(client.create_run, experiment_id, run_name=cfg.run_name, tags=_clip_tags(tags))
-        run_id = created.info.run_id
-        run.summary["mlflow_run_id"] = run_id  # in summary.json and resume.pt: how to find this run again
-        _log_params(client, run_id, flatten(OmegaConf.to_container(run.raw, resolve=True)))
-        # The config and the diff go in first, so that even a run that crashes has them.
-        _retry(client.log_text, run_id, OmegaConf.to_yaml(run.raw, resolve=True), "config.yaml")
-        if tags.get("git.dirty") == "true":
-            diff = _git("diff", "HEAD")
-            if diff:
-                _retry(client.log_text, run_id, diff, "git_diff.patch")
+            _reopen(client, resumed)
+            run_id = resumed
+        else:
+            run_id = _create_run(client, uri, cfg, run)
     except ConfigError:
         raise
     except Exception as err:
         raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({_oneline(err)})") from None
-    return client, run_id
+    run.summary["mlflow_run_id"] = run_id  # in summary.json and resume.pt: how to find this run again
+    write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=None)
+    return client, uri, run_id
+
+
+def _create_run(client: MlflowClient, uri: str, cfg, run) -> str:
+    if cfg.parent_run_id:  # a trial: same experiment as its sweep, or the UI will not nest it
+        experiment_id = _retry(client.get_run, cfg.parent_run_id).info.experiment_id
+    else:
+        experiment_id = _experiment_id(client, uri, cfg.experiment)
+    tags = {**_source_tags(), "run_dir": str(Path(run.run_dir).resolve())}
+    if cfg.parent_run_id:
+        tags[MLFLOW_PARENT_RUN_ID] = cfg.parent_run_id
+    run_id = _retry(client.create_run, experiment_id, run_name=cfg.run_name, tags=_clip_tags(tags)).info.run_id
+    _log_params(client, run_id, flatten(OmegaConf.to_container(run.raw, resolve=True)))
+    # The config and the diff go in first, so that even a run that crashes has them.
+    _retry(client.log_text, run_id, OmegaConf.to_yaml(run.raw, resolve=True), "config.yaml")
+    if tags.get("git.dirty") == "true":
+        diff = _git("diff", "HEAD")
+        if diff:
+            _retry(client.log_text, run_id, diff, "git_diff.patch")
+    return run_id
+
+
+def _reopen(client: MlflowClient, run_id: str) -> None:
+    """A resumed run is RUNNING again, and the error of its interruption goes."""
+    run = _retry(client.get_run, run_id)
+    _retry(client.update_run, run_id, status="RUNNING")
+    _retry(client.set_tag, run_id, "status", "RUNNING")
+    if "error" in run.data.tags:
+        _retry(client.delete_tag, run_id, "error")
 
 
 def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
@@ -505,3 +670,167 @@ def _oneline(err: BaseException) -> str:
 
 def _warn(message: str) -> None:
     print(f"warning: tracking: {message}", file=sys.stderr, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The acknowledgement record: tracking.json in the run directory
+
+
+def read_ack(run_dir: Path) -> dict:
+    """tracking.json: the store and MLflow run of this run directory, how many records of
+    metrics.jsonl the store has taken, and the terminal status it has (None while it has none)."""
+    try:
+        ack = json.loads((Path(run_dir) / ACK_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return ack if isinstance(ack, dict) else {}
+
+
+def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal_status: str | None) -> None:
+    ack = {"uri": uri, "run_id": run_id, "acked_records": acked_records, "terminal_status": terminal_status}
+    path = Path(run_dir) / ACK_FILE
+    with contextlib.suppress(OSError):  # an unwritable run directory is the trainer's to report
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(ack, indent=2))
+        os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# `python -m frontier.tracking sync RUN_DIR [tracking.uri=URI]`
+
+
+def sync(run_dir: Path, uri: str | None = None) -> str:
+    """Pushes to MLflow what it lacks of a run directory, and returns one line saying what was done.
+
+    Creates the MLflow run if it never existed (params from the run's config), sends the points of
+    metrics.jsonl it does not hold (a (key, step) it has is never sent again), the final summary,
+    summary.json, curves.png, the status tags and the terminal status. Running it again sends nothing.
+    """
+    run_dir = Path(run_dir).expanduser()
+    metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    if not run_dir.is_dir():
+        raise ConfigError(f"RUN_DIR={run_dir} is not allowed: no such directory")
+    if not metrics_path.is_file() and not summary_path.is_file():
+        raise ConfigError(f"RUN_DIR={run_dir} is not allowed: it is not a run directory (it has neither "
+                          f"metrics.jsonl nor summary.json)")
+    summary = None
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except ValueError:
+            raise ConfigError(f"RUN_DIR={run_dir} is not allowed: {summary_path} is not JSON") from None
+    records = read_records(metrics_path)
+    config = _run_config(run_dir)
+    cfg = _tracking_config(config)
+    ack = read_ack(run_dir)
+    uri = tracking_uri(TrackingConfig(uri=uri)) if uri else ack.get("uri") or tracking_uri(cfg)
+    ensure_store(uri)
+    client = MlflowClient(uri)
+    run_id = _existing_run(client, ack.get("run_id") if ack.get("uri") == uri else None) or _existing_run(
+        client, (summary or {}).get("mlflow_run_id"))
+    created = run_id is None
+    if created:
+        run_id = _create_synced_run(client, uri, cfg, config, run_dir, records)
+        write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)  # a second sync finds it
+    status = (summary or {}).get("status")
+    if (not created and ack.get("run_id") == run_id and ack.get("acked_records") == len(records)
+            and status in MLFLOW_STATUS and ack.get("terminal_status") == status):
+        return f"{run_dir} is already in sync with run {run_id} in {uri}"
+    sent = _send_missing(client, run_id, records, _history(client, run_id))
+    finals = [r for r in records if "final" in r]
+    if summary is not None and status in MLFLOW_STATUS:
+        final = finals[-1] if finals else {**final_record(summary, status), "time": summary_path.stat().st_mtime}
+        for fn, *args in _end_calls(client, run_id, run_dir, summary, final, cfg.log_checkpoint):
+            sent += fn(*args) or 0  # _push_final says how many points it sent
+    write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status)
+    what = f"run {run_id} created" if created else f"run {run_id}"
+    ending = f"status {status}" if status in MLFLOW_STATUS else "no summary.json, so the run is left RUNNING"
+    return f"synced {run_dir} to {what} in {uri}: {sent} new point(s), {ending}"
+
+
+def _run_config(run_dir: Path) -> dict:
+    """The run's config: Hydra's copy, else the one saved in final.pt or resume.pt; {} without any."""
+    hydra_config = run_dir / ".hydra" / "config.yaml"
+    if hydra_config.is_file():
+        loaded = OmegaConf.load(hydra_config)
+        try:
+            return OmegaConf.to_container(loaded, resolve=True)
+        except Exception:  # an interpolation that needs Hydra's runtime: keep it as written
+            return OmegaConf.to_container(loaded)
+    for name in ("final.pt", "resume.pt"):
+        if (run_dir / name).is_file():
+            from frontier.checkpoint import read_checkpoint
+
+            return read_checkpoint(run_dir / name, "sync", keys=("config",))["config"]
+    return {}
+
+
+def _tracking_config(config: dict) -> TrackingConfig:
+    saved = config.get("tracking") or {}
+    known = {f.name for f in dataclasses.fields(TrackingConfig)}
+    return TrackingConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def _existing_run(client: MlflowClient, run_id: str | None) -> str | None:
+    if not run_id:
+        return None
+    try:
+        run = _retry(client.get_run, run_id)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return run_id if run.info.lifecycle_stage == "active" else None
+
+
+def _create_synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path,
+                       records: list[dict]) -> str:
+    tags = {"run_dir": str(run_dir.resolve())}
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        tags["hydra.overrides"] = " ".join(str(o) for o in OmegaConf.load(overrides))
+    parent = _existing_run(client, cfg.parent_run_id)
+    if parent:
+        tags[MLFLOW_PARENT_RUN_ID] = parent
+        experiment_id = _retry(client.get_run, parent).info.experiment_id
+    else:
+        experiment_id = _experiment_id(client, uri, cfg.experiment)
+    start_ms = int(records[0]["time"] * 1000) if records else None
+    run_id = _retry(client.create_run, experiment_id, start_time=start_ms, run_name=cfg.run_name,
+                    tags=_clip_tags(tags)).info.run_id
+    if config:
+        _log_params(client, run_id, flatten(config))
+        _retry(client.log_text, run_id, OmegaConf.to_yaml(OmegaConf.create(config)), "config.yaml")
+    return run_id
+
+
+USAGE = "python -m frontier.tracking sync RUN_DIR [tracking.uri=URI]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if not args or args[0] != "sync":
+            raise ConfigError(f"{args[0] if args else 'no command'} is not allowed: the command is `{USAGE}`")
+        if len(args) < 2:
+            raise ConfigError(f"sync needs the run directory: `{USAGE}`")
+        uri = None
+        for item in args[2:]:
+            key, _, value = item.partition("=")
+            if key != "tracking.uri" or not value:
+                raise ConfigError(f"{item} is not allowed: sync takes a run directory and tracking.uri=URI only")
+            uri = value
+        print(sync(Path(args[1]), uri))
+        return 0
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # the store failed part way: what was sent stays, the next sync sends the rest
+        print(f"error: sync of {args[1]} stopped ({_oneline(err)}); run it again when the store answers",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

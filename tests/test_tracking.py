@@ -238,7 +238,7 @@ for step in range(1, 11):
     observer.on_log({"train/loss": 5.0 / step, "charged_seconds": 0.1 * step}, step)
 observer.on_checkpoint(1, 2.0, 10, 1.0)
 observer.on_end({"val_bpb": 1.5 + index, "steps": 10}, "FINISHED", None)
-sys.exit(1 if observer.failed else 0)
+sys.exit(0 if observer.delivered else 1)
 """
 
 
@@ -368,25 +368,106 @@ def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
     err = capfd.readouterr().err
     assert f"warning: tracking: tracking.uri={url} is unreachable" in err and "training without tracking" in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "FINISHED"
+    # Later, the run goes to a store that never heard of it: sync creates its MLflow run.
+    store = sqlite_uri(tmp_path)
+    assert "created" in tracking.sync(tmp_path / "run", store)
+    client = MlflowClient(store)
+    run = only_run(client)
+    assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
+    assert run.data.params["model.depth"] == "4" and run.data.tags["run_dir"] == str((tmp_path / "run").resolve())
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
+    assert "already in sync" in tracking.sync(tmp_path / "run", store)
+    assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
-def test_store_failing_mid_run_does_not_stop_training(tmp_path, store, monkeypatch, capfd):
+def test_store_failing_mid_run_then_sync(tmp_path, store, monkeypatch, capfd):
     original = MlflowClient.log_batch
 
-    def outage(self, run_id, metrics=(), **entities):  # the store goes away once training logs
+    def outage(self, run_id, metrics=(), **entities):  # the store stops answering once training logs
         if any(m.key == "train/loss" for m in metrics):
             raise MlflowException("simulated outage")
         return original(self, run_id, metrics=metrics, **entities)
 
     monkeypatch.setattr(MlflowClient, "log_batch", outage)
     uri = store
-    bpb = train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")
+    run_dir = tmp_path / "run"
+    bpb = train(compose_cfg(f"tracking.uri={uri}", "tracking.flush_seconds=1"), run_dir)
     assert math.isfinite(bpb)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["val_bpb"] == pytest.approx(bpb)
-    err = capfd.readouterr().err
-    assert err.count("logging to the tracking store failed") == 1 and "simulated outage" in err
-    assert "summary.json" in err
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
+    assert len(warnings) == 1 and "simulated outage" in warnings[0], warnings
+    assert f"python -m frontier.tracking sync {run_dir}" in warnings[0]
+    client = MlflowClient(uri)
+    assert only_run(client).info.status == "RUNNING"  # the end never reached the store
+
+    monkeypatch.undo()  # the store is back
+    assert "status FINISHED" in tracking.sync(run_dir)
+    run = only_run(client)
+    assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
+    assert "already in sync" in tracking.sync(run_dir)
+
+
+def test_refused_call_is_skipped_and_the_rest_goes_on(tmp_path, store, monkeypatch, capfd):
+    original = MlflowClient.log_batch
+
+    def refuse_step_3(self, run_id, metrics=(), **entities):
+        if any(m.step == 3 for m in metrics):
+            raise MlflowException.invalid_parameter_value("bad value")
+        return original(self, run_id, metrics=metrics, **entities)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refuse_step_3)
+    observer = tracking.MlflowObserver.for_run(fake_run(tmp_path, "refused", uri=store))
+    for step in range(1, 6):
+        observer.on_log({"train/loss": 5.0 / step}, step)
+    observer.on_end({"val_bpb": 1.5, "steps": 5}, "FINISHED", None)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
+    assert len(warnings) == 1 and "refused" in warnings[0], warnings
+    client = MlflowClient(store)
+    run = client.get_run(observer.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == 1.5
+    assert [m.step for m in client.get_metric_history(observer.run_id, "train/loss")] == [1, 2, 4, 5]
+
+
+def test_resume_reopens_the_run_and_sends_what_it_missed(tmp_path, store):
+    first = tracking.MlflowObserver.for_run(fake_run(tmp_path, "run", uri=store))
+    first.on_log({"train/loss": 4.0}, 1)
+    first.on_end({"steps": 1, "val_bpb": None}, "KILLED", "interrupted by SIGTERM")
+    client = MlflowClient(store)
+    assert client.get_run(first.run_id).data.tags["error"] == "interrupted by SIGTERM"
+    # metrics.jsonl holds step 2, which the store never took, and step 3, after the resume point.
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        for step, loss in ((2, 3.0), (3, 2.5)):
+            f.write(json.dumps({"step": step, "time": time.time(), "train/loss": loss}) + "\n")
+
+    resumed = fake_run(tmp_path, "run", uri=store)
+    resumed.summary.update({"mlflow_run_id": first.run_id, "resume_step": 2, "resumed": 1})
+    observer = tracking.MlflowObserver.for_run(resumed)
+    run = client.get_run(first.run_id)
+    assert run.info.status == "RUNNING" and run.data.tags["status"] == "RUNNING"
+    assert "error" not in run.data.tags  # the interruption is over
+    observer.on_log({"train/loss": 2.0}, 3)
+    observer.on_end({"steps": 3, "val_bpb": 1.25}, "FINISHED", None)
+    assert observer.delivered
+    history = client.get_metric_history(first.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "FINISHED" and "error" not in run.data.tags
+
+
+def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for args, says in ((["sync", str(tmp_path / "empty")], "is not a run directory"),
+                       (["sync", str(tmp_path / "missing")], "no such directory"),
+                       (["sync"], "needs the run directory"),
+                       (["push", str(tmp_path)], "push is not allowed"),
+                       (["sync", str(tmp_path / "empty"), "tracking.experiment=x"], "tracking.uri=URI only")):
+        done = subprocess.run([sys.executable, "-m", "frontier.tracking", *args], cwd=PROJECT_ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and says in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not list((tmp_path / "empty").iterdir())  # nothing written
 
 
 # -----------------------------------------------------------------------------

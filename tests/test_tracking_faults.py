@@ -1,0 +1,286 @@
+"""Tracking that cannot lose points: a real `mlflow server` killed mid-run, a server that never comes
+back (then `python -m frontier.tracking sync`), and kill -9 then resume — all through the real CLI."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from mlflow import MlflowClient
+
+from frontier import tracking
+from frontier.config import PROJECT_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
+
+WIKI = PROJECT_ROOT.parent / "shared" / "data" / "text" / "wiki_en"
+
+# The tiny model for a few steps, one log per step, a val_bpb checkpoint at each quarter.
+RUN = [
+    "model=tiny",
+    f"data.path={WIKI}",
+    "data.vocab_size=1024",
+    "data.tokenizer_train_chars=2000000",
+    "device=cpu",
+    "precision=fp32",
+    "budget.seconds=600",
+    "budget.excluded_steps=0",
+    "model.seq_len=128",
+    "train.batch_tokens=1024",
+    "train.device_batch_rows=8",
+    "eval.checkpoint_tokens=512",
+    "eval.final_tokens=2048",
+    "eval.every_fraction=0.25",
+]
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    if not WIKI.is_dir():
+        pytest.skip(f"shared data not found at {WIKI}")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # tests name their own stores
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory) -> Path:
+    """An empty store with its schema: creating one takes seconds, copying it does not."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    tracking.ensure_store(f"sqlite:///{path}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A real `mlflow server` on 127.0.0.1 over one SQLite store, killed and started again at will."""
+
+    def __init__(self, folder: Path, template_db: Path):
+        shutil.copy(template_db, folder / "server.db")
+        self.folder = folder
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.folder / "server.log", "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                 f"sqlite:///{self.folder / 'server.db'}", "--artifacts-destination",
+                 str(self.folder / "server-artifacts"), "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+                 "--workers", "1"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: workers go too
+        deadline = time.time() + 120
+        while True:
+            assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "mlflow server did not answer /health"
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.RequestException:
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path, template_db):
+    found = Server(tmp_path, template_db)
+    found.start()
+    yield found
+    found.kill()
+
+
+class Trainer:
+    """`python -m frontier.train ...` in the background, its stderr in a file the test can read."""
+
+    def __init__(self, run_dir: Path, args: list[str]):
+        self.run_dir = run_dir
+        self.err_path = run_dir.parent / f"{run_dir.name}.stderr"
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "frontier.train", *args, f"hydra.run.dir={run_dir}"],
+                                         cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=err)
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait_for(self, what: str, condition, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.stderr[-3000:]}"
+            assert time.time() < deadline, f"timed out waiting for {what}:\n{self.stderr[-3000:]}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def file_points(run_records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """What MLflow should hold of metrics.jsonl: every number of a log record, val_bpb of a checkpoint."""
+    points = defaultdict(list)
+    for record in run_records:
+        if record.get("final"):
+            continue
+        numbers = {"val_bpb": record["val_bpb"]} if "checkpoint" in record else record
+        for key, value in numbers.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
+                points[key].append((record["step"], float(value)))
+    return points
+
+
+def assert_in_mlflow_once(client: MlflowClient, run_id: str, run_dir: Path, same_values: bool = True) -> None:
+    """Every point of metrics.jsonl is in the MLflow run exactly once (besides it, a key may hold one
+    point for the final summary at the last step), and the final record's numbers are the run's values."""
+    run_records = records(run_dir)
+    final = run_records[-1]
+    assert final["final"] is True
+    for key, expected in file_points(run_records).items():
+        got = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+        final_point = (final["step"], float(final[key])) if key in final else None
+        if final_point in got and final_point not in expected:
+            got.remove(final_point)
+        assert Counter(step for step, _ in got) == Counter(step for step, _ in expected), key
+        assert all(n == 1 for n in Counter(step for step, _ in got).values()), key
+        if same_values:
+            assert sorted(got) == sorted(expected), key
+    latest = client.get_run(run_id).data.metrics
+    for key, value in final.items():
+        if key not in ("step", "time", "final", "status") and isinstance(value, (int, float)):
+            assert latest[key] == pytest.approx(value), key
+
+
+def tracking_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning: tracking:")]
+
+
+def stop_and_kill_server(trainer: Trainer, server: Server) -> None:
+    """Once the MLflow run exists: the server dies while the run goes on."""
+    trainer.wait_for("the MLflow run", lambda: (trainer.run_dir / "tracking.json").exists())
+    trainer.proc.send_signal(signal.SIGSTOP)  # the server dies while the run is frozen mid-way
+    server.kill()
+    trainer.proc.send_signal(signal.SIGCONT)
+
+
+def test_server_killed_mid_run_and_restarted(tmp_path, server):
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=12", "train.log_every_fraction=0.08",
+                                f"tracking.uri={server.url}", "tracking.flush_seconds=240"])
+    stop_and_kill_server(trainer, server)
+    trainer.wait_for("the outage warning", lambda: "does not answer" in trainer.stderr)
+    server.start()  # same store, same port, before the run has ended
+    assert trainer.finish() == 0, trainer.stderr
+    warnings = tracking_warnings(trainer.stderr)
+    assert len(warnings) == 2 and "does not answer" in warnings[0] and "answers again" in warnings[1], warnings
+
+    client = MlflowClient(server.url)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "FINISHED"
+    assert run.data.metrics["val_bpb"] == pytest.approx(summary["val_bpb"])
+    assert_in_mlflow_once(client, run_id, run_dir)
+    assert json.loads((run_dir / "tracking.json").read_text())["terminal_status"] == "FINISHED"
+
+
+def sync(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), *args], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_server_that_never_comes_back_then_sync(tmp_path, server):
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=8", "train.log_every_fraction=0.125",
+                                f"tracking.uri={server.url}", "tracking.flush_seconds=2"])
+    stop_and_kill_server(trainer, server)
+    killed_at = time.time()
+    assert trainer.finish() == 0, trainer.stderr
+    assert time.time() - killed_at < 120  # not minutes of MLflow's own retries
+    warnings = tracking_warnings(trainer.stderr)
+    assert len(warnings) == 1 and f"python -m frontier.tracking sync {run_dir}" in warnings[0], warnings
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and math.isfinite(summary["val_bpb"])
+
+    server.start()  # the same store, later
+    pushed = sync(run_dir)
+    assert pushed.returncode == 0 and "status FINISHED" in pushed.stdout, pushed.stderr
+    client = MlflowClient(server.url)
+    run_id = summary["mlflow_run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "FINISHED"
+    assert run.data.metrics["val_bpb"] == pytest.approx(summary["val_bpb"])
+    assert_in_mlflow_once(client, run_id, run_dir)
+    artifacts = {info.path for info in client.list_artifacts(run_id)}
+    assert {"config.yaml", "summary.json", "curves.png"} <= artifacts
+
+    histories = {key: client.get_metric_history(run_id, key) for key in run.data.metrics}
+    again = sync(run_dir)
+    assert again.returncode == 0 and "already in sync" in again.stdout, again.stderr
+    (run_dir / "tracking.json").unlink()  # without the acknowledgement record: compared point by point
+    again = sync(run_dir)
+    assert again.returncode == 0 and "0 new point(s)" in again.stdout, again.stdout + again.stderr
+    assert {key: client.get_metric_history(run_id, key) for key in run.data.metrics} == histories
+    assert client.get_run(run_id).info.end_time == run.info.end_time
+
+
+def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=40", "train.log_every_fraction=0.025",
+                                "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
+    client = MlflowClient(uri)
+
+    def logged_past_checkpoint() -> bool:  # MLflow holds steps after the first resume point
+        if not (run_dir / "resume.pt").exists() or not (run_dir / "tracking.json").exists():
+            return False
+        run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+        return max((m.step for m in client.get_metric_history(run_id, "train/loss")), default=0) >= 13
+
+    trainer.wait_for("steps after the first checkpoint", logged_past_checkpoint)
+    trainer.proc.send_signal(signal.SIGKILL)
+    trainer.finish()
+    resume_step = torch.load(run_dir / "resume.pt", weights_only=False)["clock"]["steps"]
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert max(r["step"] for r in records(run_dir)) > resume_step  # what a resume must not log twice
+    assert max(m.step for m in client.get_metric_history(run_id, "train/loss")) > resume_step
+
+    done = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_dir}"], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    steps = [r["step"] for r in records(run_dir) if "checkpoint" not in r and "final" not in r]
+    assert steps == list(range(1, 41))
+    checkpoints = [r["checkpoint"] for r in records(run_dir) if "checkpoint" in r]
+    assert len(checkpoints) == len(set(checkpoints))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "error" not in run.data.tags
+    # Steps the killed process sent keep its values there (MLflow cannot delete a point): compare steps,
+    # and the losses, which an exact resume reproduces.
+    assert_in_mlflow_once(client, run_id, run_dir, same_values=False)
+    losses = dict(file_points(records(run_dir))["train/loss"])
+    assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == pytest.approx(losses)
