@@ -146,8 +146,8 @@ def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution],
                                           multivariate=True, group=False, constant_liar=True)
     if sweep.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    if sweep.sampler == "grid":
-        return GridSampler(grid_values(space), seed=seed)
+    if sweep.sampler == "grid":  # trial N runs point N of one shuffled order: sweep.seed's, never per trial
+        return GridSampler(grid_values(space), seed=sweep.seed)
     if sweep.sampler == "cmaes":
         import importlib.util
 
