@@ -81,6 +81,17 @@ def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path):
     assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
 
 
+@pytest.mark.slow
+def test_a_launched_trial_past_its_timeout_is_cancelled_and_recorded_with_why(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    done = launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=none",
+                          "sweep.n_trials=1", "sweep.trial_timeout=2", f"sweep.storage={storage}",
+                          "sweep.study_name=slow")
+    trial = optuna.load_study(study_name="slow", storage=open_storage(storage)).trials[0]
+    assert trial.state == TrialState.FAIL, done.stdout[-3000:]
+    assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=2 s"
+
+
 # The trn2 line of README's sweep section, as Hydra composes it.
 TRN2 = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=trn2", "hydra.launcher.timeout_min=60",
         "hydra.launcher.cpus_per_task=32", "+hydra.launcher.additional_parameters.exclusive=true"]
@@ -119,7 +130,7 @@ def test_any_other_launcher_runs_one_trial_per_launch_pinned_to_its_worker(tmp_p
     from hydra.core.utils import JobReturn, JobStatus
     from hydra.plugins.launcher import Launcher
 
-    from hydra_plugins.frontier_sweeper._launch import LaunchedTrials
+    from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials
 
     class Recording(Launcher):
         def __init__(self, status):
@@ -136,10 +147,11 @@ def test_any_other_launcher_runs_one_trial_per_launch_pinned_to_its_worker(tmp_p
     run_dir = tmp_path / "7"
     run_dir.mkdir()
     launcher = Recording(JobStatus.COMPLETED)
-    assert LaunchedTrials(launcher, 1).run(["model=tiny"], 7, run_dir, {"CUDA_VISIBLE_DEVICES": "1"}) == 0
+    watch = JobWatch(None, None, trial_timeout=60, grace_period=120, heartbeat_interval=30)
+    assert LaunchedTrials(launcher, 1).run(["model=tiny"], 7, run_dir, {"CUDA_VISIBLE_DEVICES": "1"}, watch) == (0, None)
     overrides, number = launcher.calls[0]
     assert number == 7 and overrides[0] == "model=tiny"
     assert {f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=7",
             "++hydra.job.env_set.CUDA_VISIBLE_DEVICES=1"} <= set(overrides)
-    assert LaunchedTrials(Recording(JobStatus.FAILED), 1).run([], 7, run_dir, {}) == 1
+    assert LaunchedTrials(Recording(JobStatus.FAILED), 1).run([], 7, run_dir, {}, watch) == (1, None)
     assert (run_dir / "output.log").read_text().splitlines()[-1] == "error: RuntimeError: boom"

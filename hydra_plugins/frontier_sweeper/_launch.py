@@ -12,8 +12,12 @@ Devices: a scheduler (SLURM, Ray) gives each job its own; a local launcher (subm
 give every job the same CUDA_VISIBLE_DEVICES, so each worker pins its trials to its own device(s)
 through `hydra.job.env_set`, which Hydra applies in the job before the task function starts.
 
-submitit jobs are submitted one per trial with a handle kept, so that Ctrl-C / SIGTERM of the sweep
-cancels the jobs still running (scancel on SLURM). Other launchers go through `Launcher.launch`.
+submitit jobs are submitted one per trial with a handle kept, and supervised as the built-in
+workers supervise their processes: while a job waits in the scheduler's queue the driver keeps its
+trial's heartbeat (a queued trial is not a dead one); once it runs, a job past `sweep.trial_timeout`
+or silent for `sweep.grace_period` is cancelled and its trial recorded FAIL with why, and Ctrl-C /
+SIGTERM of the sweep cancels the jobs still running (scancel on SLURM). Other launchers go through
+`Launcher.launch`, which returns when the job has ended.
 """
 from __future__ import annotations
 
@@ -26,12 +30,16 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
+from optuna.trial import TrialState
+
 from frontier.config import ConfigError
+from frontier.study import end_trial
 from hydra_plugins.frontier_sweeper._space import as_override
 
 log = logging.getLogger(__name__)
 
 LOCAL_LAUNCHERS = ("LocalLauncher", "JoblibLauncher")  # jobs on this machine: pin their devices
+QUEUED = ("PENDING", "REQUEUED", "CONFIGURING", "UNKNOWN")  # submitted, not running yet
 
 
 def is_builtin(launcher) -> bool:
@@ -63,28 +71,30 @@ class LaunchedTrials:
         self.jobs: set = set()  # submitit jobs still running
         self.cancelled = False
 
-    def run(self, overrides: list[str], number: int, run_dir: Path, env: dict[str, str]) -> int:
-        """Runs the trial with `env` set in its job; returns 0 when its task function returned, else 1 (the reason is the
-        last line of run_dir/output.log, which holds the job's stdout and stderr)."""
+    def run(self, overrides: list[str], number: int, run_dir: Path, env: dict[str, str],
+            watch: "JobWatch") -> tuple[int, str | None]:
+        """Runs the trial with `env` set in its job. Returns 0 when its task function returned, else
+        1 (the reason is the last line of run_dir/output.log, which holds the job's stdout and
+        stderr), and why the driver stopped it, if it did."""
         overrides = list(overrides) + [f"hydra.sweep.dir={run_dir.parent}", f"hydra.sweep.subdir={run_dir.name}"]
         # Hydra sets these in the job before the task function starts (a local job's devices, the driver)
         overrides += [as_override(f"++hydra.job.env_set.{key}", value) for key, value in env.items()]
         output = run_dir / "output.log"
         try:
-            result = self._submitit(overrides, number, output) if self.submitit else \
+            result = self._submitit(overrides, number, output, watch) if self.submitit else \
                 self.launcher.launch([overrides], initial_job_idx=number)[0]
-        except Exception as err:  # the job died (killed, node lost) or could not be submitted
+        except Exception as err:  # the job died (killed, cancelled, node lost) or could not be submitted
             message = str(err).strip().splitlines()
             _append(output, f"error: {self.name} job ended without a result: "
                             f"{message[-1] if message else type(err).__name__}")
-            return 1
+            return 1, watch.reason or ("stopped by its driver (interrupted)" if self.cancelled else None)
         if result.status == JobStatus.COMPLETED:
-            return 0
+            return 0, watch.reason
         error = result._return_value
         _append(output, f"error: {type(error).__name__}: {error}")
-        return 1
+        return 1, watch.reason
 
-    def _submitit(self, overrides: list[str], number: int, output: Path) -> JobReturn:
+    def _submitit(self, overrides: list[str], number: int, output: Path, watch: "JobWatch") -> JobReturn:
         executor = submitit_executor(self.launcher)
         with self.lock:
             if self.cancelled:
@@ -95,6 +105,8 @@ class LaunchedTrials:
         log.info(f"trial {number} is {self.name} job {job.job_id}")
         try:
             while not job.done():
+                if watch.reason is None and watch.stop_reason(job.state in QUEUED):
+                    job.cancel(check=False)
                 time.sleep(1.0)
             return job.result()
         finally:
@@ -114,6 +126,40 @@ class LaunchedTrials:
                 job.cancel(check=False)
             except Exception as err:  # already gone
                 log.warning(f"could not cancel job {job.job_id}: {err}")
+
+
+class JobWatch:
+    """The driver's side of a launched trial: its heartbeat while the job is queued; once it runs,
+    its time limit and its own heartbeat."""
+
+    def __init__(self, study, trial, trial_timeout: float, grace_period: float, heartbeat_interval: float):
+        self.study, self.trial = study, trial
+        self.trial_timeout, self.grace_period = trial_timeout, grace_period
+        self.interval = min(heartbeat_interval, 5)
+        self.started: float | None = None  # when the job began to run
+        self.next_check = 0.0
+        self.reason: str | None = None
+
+    def stop_reason(self, queued: bool) -> str | None:
+        """Why to stop the job now (recorded FAIL first: a cancelled job cannot), or None."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return None
+        self.next_check = now + self.interval
+        storage = self.study._storage
+        if queued:
+            storage.record_heartbeat(self.trial._trial_id)
+            return None
+        self.started = self.started or now
+        if now - self.started > self.trial_timeout:
+            reason = f"killed by its driver: it ran past sweep.trial_timeout={self.trial_timeout:g} s"
+        elif self.trial._trial_id in storage._get_stale_trial_ids(self.study._study_id):
+            reason = f"killed by its driver: it sent no heartbeat for sweep.grace_period={self.grace_period} s"
+        else:
+            return None
+        self.reason = reason
+        end_trial(self.study, self.trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+        return reason
 
 
 def submitit_executor(launcher):
