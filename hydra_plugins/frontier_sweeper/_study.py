@@ -35,7 +35,7 @@ from frontier.config import ConfigError, SweepConfig
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, settle_orphans,
                             trial_seed)
-from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
+from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
 
@@ -429,10 +429,11 @@ class Sweep:
         self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
         if self.launched is not None:  # a job of the Hydra launcher runs the trial (_launch.py)
             (run_dir / "output.log").write_text("")
-            returncode = self.launched.run(overrides + extra, trial.number, run_dir,
-                                           {**slot.env, DRIVER_ENV: str(self.driver)})
-            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started,
-                              "stopped by its driver (interrupted)" if self.launched.cancelled else None)
+            watch = JobWatch(self.study, trial, self.trial_timeout, self.sweep.grace_period,
+                             self.sweep.heartbeat_interval)
+            returncode, reason = self.launched.run(overrides + extra, trial.number, run_dir,
+                                                   {**slot.env, DRIVER_ENV: str(self.driver)}, watch)
+            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, reason)
             return
         with open(run_dir / "output.log", "w") as out:
             # a session of its own: Ctrl-C reaches the driver only, which stops each trial once;
