@@ -6,12 +6,14 @@ composed DictConfig into objects, before any data is touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -410,6 +412,7 @@ class Config:
         _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",
                  self.device, "choose one of auto, cpu, cuda, cuda:N, neuron")
         _choice("precision", self.precision, ("auto", "bf16", "fp32"))
+        _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer in 0 ... 4294967295 (numpy's seed range)")
         _require(self.neuron_logical_cores in (None, 1, 2), "neuron_logical_cores", self.neuron_logical_cores,
                  "1 (8 logical cores per Trainium2 chip), 2 (4 logical cores) or null (the runtime's default)")
         rows_per_step, remainder = divmod(self.train.batch_tokens, self.model.seq_len)
@@ -427,4 +430,29 @@ def register_schemas() -> None:
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations and build the typed objects, running every range check."""
+    check_keys(cfg)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def check_keys(cfg: DictConfig, path: str = "") -> None:
+    """What the schema alone lets through: Hydra's `+key=value` adds a key even to a typed group,
+    and inf or nan pass as floats."""
+    schema = OmegaConf.get_type(cfg)
+    names = [f.name for f in fields(schema)] if is_dataclass(schema) else None
+    for key, value in cfg.items_ex(resolve=True):
+        if names is not None and key not in names:
+            raise ConfigError(f"{path}{key}={value!r} is not allowed: {key_hint(path.rstrip('.'), str(key), names)}")
+        if isinstance(value, DictConfig):
+            check_keys(value, f"{path}{key}.")
+        for number in value if isinstance(value, ListConfig) else [value]:
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ConfigError(f"{path}{key}={value!r} is not allowed: numbers must be finite")
+
+
+def key_hint(where: str, key: str, names: list[str]) -> str:
+    """`where` has no `key`: the nearest key, else all of them."""
+    group = where or "the config"
+    nearest = difflib.get_close_matches(key, names, n=1)
+    if nearest:
+        return f"{group} has no key {key!r}; did you mean {nearest[0]}?"
+    return f"{group} has no key {key!r}; its keys are {', '.join(names)}"

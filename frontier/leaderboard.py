@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except ValueError as err:
-        print(f"error: {err}\nusage: {USAGE}", file=sys.stderr)
+        print(f"error: {err} (usage: {USAGE.strip('`')})", file=sys.stderr)
         return 2
     uri = tracking_uri(SimpleNamespace(uri=args.uri))
     db = sqlite_path(uri)

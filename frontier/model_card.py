@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from frontier.cli import one_sentence
 from frontier.config import PROJECT_ROOT, Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
@@ -101,6 +102,11 @@ def human(n: float) -> str:
     return f"{n:,.3g}"
 
 
+def usage_error(message: str) -> None:
+    print(f"error: {message} (see --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m frontier.model_card",
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="rows per timed forward+backward (default train.device_batch_rows; 1 on CPU)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed forward+backward passes (default 2; 1 on CPU)")
+    parser.error = usage_error  # one sentence, not argparse's usage block
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu={args.mfu} must be in (0, 1]")
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(args.overrides)
         device = resolve_device(config.device, config.precision)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_sentence(err)}", file=sys.stderr)
         raise SystemExit(2) from None
 
     cfg, vocab = config.model, config.data.vocab_size

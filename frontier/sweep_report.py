@@ -249,7 +249,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
 def main(argv: list[str]) -> int:
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     if "study" not in args or set(args) - {"study", "storage", "out"} or len(args) != len(argv):
-        print(USAGE, file=sys.stderr)
+        print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)
         return 2
     name = args["study"]
     storage = args.get("storage") or default_storage(name)

@@ -10,19 +10,20 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from frontier import cli
 from frontier.config import ConfigError
-from frontier.core import CoreBundleError
-from frontier.data import DataError
-from frontier.lifecycle import RunWriteError
-from frontier.trainer import Diverged, train
 
-USER_ERRORS = (ConfigError, DataError, CoreBundleError, FileNotFoundError)
-FAILED_RUNS = (Diverged, RunWriteError)  # recorded FAILED; one line says why
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Imported when needed, so that a mistake on the command line is found before torch loads."""
+    from frontier.core import CoreBundleError
+    from frontier.data import DataError
+
+    return ConfigError, DataError, CoreBundleError, FileNotFoundError
 
 
 def say(message: str) -> None:
@@ -30,8 +31,19 @@ def say(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def check(cfg: DictConfig) -> None:
+    """Checked before Hydra writes anything: a local data.path must hold data (a resumed run reads its saved one)."""
+    if cfg.resume is None and cfg.data.source == "local":
+        from frontier.data import resolve_splits
+
+        resolve_splits(OmegaConf.to_object(cfg.data))
+
+
+@cli.main(config_path="../conf", config_name="config", user_errors=user_errors, check=check)
 def main(cfg: DictConfig) -> float:
+    from frontier.lifecycle import RunWriteError
+    from frontier.trainer import Diverged, train
+
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if cfg.get("sweep") is not None and not multirun:
@@ -39,12 +51,12 @@ def main(cfg: DictConfig) -> float:
               file=sys.stderr)
     try:
         return train(cfg, Path(hydra_cfg.runtime.output_dir))
-    except USER_ERRORS as err:
+    except user_errors() as err:
         if multirun:
             raise  # the sweeper records the trial as failed and goes on
         say(str(err))
         raise SystemExit(2) from None
-    except FAILED_RUNS as err:
+    except (Diverged, RunWriteError) as err:  # recorded FAILED; one line says why
         if multirun:
             raise
         say(str(err))
@@ -55,20 +67,5 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(130) from None  # recorded KILLED; resume.pt written at a step boundary
 
 
-def check_output_dirs(argv: list[str]) -> None:
-    """Hydra creates its run directory before any of our code runs: one that cannot be created is
-    refused here in one sentence, not with Hydra's traceback."""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
-            try:
-                Path(value).mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                print(f"error: {key}={value} is not allowed: it cannot be created ({err.strerror or err})",
-                      file=sys.stderr)
-                raise SystemExit(2) from None
-
-
 if __name__ == "__main__":
-    check_output_dirs(sys.argv[1:])
-    main()
+    main()  # frontier.cli checks the command line (and that hydra.run.dir can be created) before Hydra runs

@@ -1,31 +1,195 @@
-"""Every kind of bad input stops before training with one clear sentence and a non-zero exit."""
+"""Every kind of bad input stops before training with one clear sentence and exit code 2.
+
+Each mistake of the command line is run through the real `python -m frontier.train` with Hydra's
+run and sweep directories, the MLflow store and the data caches pointed into an empty folder, and
+must leave that folder empty: nothing is written for a command that is refused.
+"""
+import subprocess
+import sys
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, ROOT, run_cli
+
+MODELS = "base, "  # the start of the list of model presets
+
+# (arguments after the base command line, the start of the one sentence after "error: ")
+BAD = [
+    # keys the schema does not have, added with + or set directly
+    (["+foo=1"], "foo=1 is not allowed: the config has no key 'foo'; its keys are model, optim"),
+    (["+model.foo=1"], "model.foo=1 is not allowed: model has no key 'foo'; its keys are name, depth"),
+    (["+train.foo=1"], "train.foo=1 is not allowed: train has no key 'foo'; its keys are batch_tokens"),
+    (["++model.foo=2"], "model.foo=2 is not allowed: model has no key 'foo'"),
+    (["+model.dpeth=3"], "model.dpeth=3 is not allowed: model has no key 'dpeth'; did you mean depth?"),
+    (["+sweep.params.x=1"], "+sweep.params.x=1 is not allowed: sweep is null here; choose one first with sweep=NAME"),
+    (["model.foo=1"], "model.foo=1 is not allowed: model has no key 'foo'; its keys are name, depth"),
+    (["model.heads=4"], "model.heads=4 is not allowed: model has no key 'heads'; did you mean "),
+    (["foo=1"], "foo=1 is not allowed: the config has no key 'foo'"),
+    (["optim.lr=0.1"], "optim.lr=0.1 is not allowed: optim has no key 'lr'"),
+    (["hydra.foo=1"], "hydra.foo=1 is not allowed: hydra has no key 'foo'"),
+    (["model.depth.x=1"], "model.depth.x=1 is not allowed: model.depth is a single value, not a group of keys"),
+    (["sweep.n_trials=3"], "sweep.n_trials=3 is not allowed: sweep is null here; choose one first with sweep=NAME"),
+    (["+model=tiny"], "+model=tiny is not allowed: model is chosen already; write model=tiny without +"),
+    (["+model.depth=3"], "+model.depth=3 is not allowed: model.depth exists already; set it without +"),
+    # options of a config group
+    (["model=huge"], f"model=huge is not allowed: model has no such option; choose one of {MODELS}"),
+    (["optim=sgd"], "optim=sgd is not allowed: optim has no such option; choose one of adamw, muon"),
+    (["schedule=linear"], "schedule=linear is not allowed: schedule has no such option; choose one of constant"),
+    (["kernel=cudnn"], "kernel=cudnn is not allowed: kernel has no such option; choose one of compiled"),
+    (["budget=phase9"], "budget=phase9 is not allowed: budget has no such option; choose one of phase1"),
+    (["data=nope"], "data=nope is not allowed: data has no such option; choose one of climbmix"),
+    (["sweep=nope"], "sweep=nope is not allowed: sweep has no such option; choose one of arch"),
+    (["model=[a]"], f"model=[a] is not allowed: model has no such option; choose one of {MODELS}"),
+    (["hydra/sweeper=nope"], "hydra/sweeper=nope is not allowed: hydra/sweeper has no such option"),
+    # values of the wrong type
+    (["model.depth=abc"], "model.depth=abc is not allowed: must be an integer"),
+    (["model.depth=1.5"], "model.depth=1.5 is not allowed: must be an integer"),
+    (["model.depth="], "model.depth= is not allowed: must be an integer"),
+    (["train.batch_tokens=1.5"], "train.batch_tokens=1.5 is not allowed: must be an integer"),
+    (["model.rope_base=abc"], "model.rope_base=abc is not allowed: must be a number"),
+    (["model.softcap=abc"], "model.softcap=abc is not allowed: must be a number or null"),
+    (["tracking.enabled=maybe"], "tracking.enabled=maybe is not allowed: must be true or false"),
+    (["model.value_embed_layers=[a]"], "model.value_embed_layers=[a] is not allowed: must be a list of integers"),
+    (["optim.adam_betas=[0.9,x]"], "optim.adam_betas=[0.9,x] is not allowed: must be a list of numbers"),
+    (["seed=abc"], "seed=abc is not allowed: must be an integer"),
+    (["neuron_logical_cores=two"], "neuron_logical_cores=two is not allowed: must be an integer or null"),
+    # what Hydra's override grammar cannot read
+    (["model.depth==3"], "'model.depth==3' is not allowed: it is not an override Hydra can read"),
+    (["model.depth"], "'model.depth' is not allowed: an override is KEY=VALUE"),
+    (["model.value_embed_layers=[1,2"], "'model.value_embed_layers=[1,2' is not allowed: it is not an override"),
+    (["=3"], "'=3' is not allowed: it is not an override Hydra can read"),
+    (["model.depth=3)"], "'model.depth=3)' is not allowed: it is not an override Hydra can read"),
+    (["--no-such-flag"], "--no-such-flag is not allowed: not an option of this command"),
+    (["--multirun", "--cfg", "job"], "--multirun and --cfg are not allowed together"),
+    (["--resolve"], "--resolve is not allowed alone: it goes with --cfg or --help"),
+    # a sweep without --multirun
+    (["model=tiny,base"], "model=tiny,base is not allowed: a comma list or sweep function sweeps over values, "
+                          "which needs --multirun"),
+    (["model.depth=range(1,3)"], "model.depth=range(1,3) is not allowed: a comma list or sweep function"),
+    # deleting what the schema needs
+    (["~model"], f"~model is not allowed: model is required; choose one of {MODELS}"),
+    (["~data"], "~data is not allowed: data is required; choose one of climbmix"),
+    (["~model.depth"], "~model.depth is not allowed: model.depth is part of the schema and cannot be deleted"),
+    (["~foo"], "~foo is not allowed: the config has no key 'foo'"),
+    # interpolations that do not resolve
+    (["seed=${foo}"], "seed=${foo} is not allowed: Interpolation key 'foo' not found"),
+    (["precision=${oc.env:FRONTIER_NO_SUCH_VARIABLE}"], "precision=${oc.env:FRONTIER_NO_SUCH_VARIABLE} is not "
+                                                        "allowed: "),
+    (["model.depth=${data.path}"], "model.depth=${data.path} is not allowed: must be an integer"),
+    # numbers out of range, and non-finite numbers anywhere
+    (["optim.embedding_lr=inf"], "optim.embedding_lr=inf is not allowed: numbers must be finite"),
+    (["optim.matrix_lr=nan"], "optim.matrix_lr=nan is not allowed: numbers must be finite"),
+    (["model.rope_base=-inf"], "model.rope_base=-inf is not allowed: numbers must be finite"),
+    (["optim.adam_betas=[0.9,inf]"], "optim.adam_betas=[0.9, inf] is not allowed: numbers must be finite"),
+    (["budget.seconds=inf"], "budget.seconds=inf is not allowed: numbers must be finite"),
+    (["seed=-1"], "seed=-1 is not allowed: an integer in 0 ... 4294967295"),
+    (["seed=4294967296"], "seed=4294967296 is not allowed: an integer in 0 ... 4294967295"),
+    (["model.depth=-1"], "model.depth=-1 is not allowed: must be a positive integer"),
+    (["schedule.warmdown_fraction=1.5"], "schedule.warmdown_fraction=1.5 is not allowed: must be between 0 and 1"),
+    (["model.n_head=3"], "model.d_model=128 is not allowed: must be divisible by model.n_head=3"),
+    (["train.batch_tokens=1000"], "train.batch_tokens=1000 is not allowed: must be a multiple of model.seq_len=256"),
+    (["data.path="], "data.path='' is not allowed: set it to a directory or file of text"),
+    (["data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
+    (["data.path=README.md"], "data.path='README.md' is not allowed: README.md is not a data file"),
+    (["precision=fp8"], "precision='fp8' is not allowed: choose one of auto, bf16, fp32"),
+    (["neuron_logical_cores=3"], "neuron_logical_cores=3 is not allowed: 1 (8 logical cores per Trainium2 chip)"),
+    (["device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
+    (["optim.name=sgd"], "optim.name='sgd' is not allowed: choose one of muon, adamw"),
+    (["model.activation=tanh"], "model.activation='tanh' is not allowed: choose one of relu2"),
+    (["kernel.attention=cudnn"], "kernel.attention='cudnn' is not allowed: choose one of reference, triton, nki"),
+    (["eval.every_fraction=2"], "eval.every_fraction=2.0 is not allowed: must be between 0 and 1"),
+    (["budget.seconds=0"], "budget.seconds=0.0 is not allowed: must be positive"),
+    (["data.vocab_size=100"], "data.vocab_size=100 is not allowed: between 260"),
+    (["tracking.experiment="], "tracking.experiment='' is not allowed: name an MLflow experiment"),
+    # --multirun: every point of a grid is checked before the first runs
+    (["--multirun", "model=tiny,huge"], f"model=huge is not allowed: model has no such option; choose one of {MODELS}"),
+    (["--multirun", "model.depth=2,abc"], "model.depth=abc is not allowed: must be an integer"),
+    (["--multirun", "model.depth=2,-1"], "model.depth=-1 is not allowed: must be a positive integer"),
+    (["--multirun", "seed=1,-1"], "seed=-1 is not allowed: an integer in 0 ... 4294967295"),
+    (["--multirun", "+foo=1,2"], "foo=1 is not allowed: the config has no key 'foo'"),
+    (["--multirun", "optim.matrix_lr=interval(0.01,0.1)"], "optim.matrix_lr=interval(0.01,0.1) is not allowed: a "
+                                                           "--multirun grid takes lists of values"),
+    (["--multirun", "model.depth=2,3", "model.n_head=3"], "model.d_model=128 is not allowed: must be divisible"),
+    (["--multirun", "hydra.run.dir=a,b"], "hydra.run.dir=a,b is not allowed: "),
+    # --multirun sweep=NAME: the search's settings
+    (["--multirun", "sweep=nope"], "sweep=nope is not allowed: sweep has no such option; choose one of arch"),
+    (["--multirun", "sweep=lr", "sweep.sampler=foo"], "sweep.sampler='foo' is not allowed: choose one of tpe"),
+    (["--multirun", "sweep=lr", "sweep.n_trials=0"], "sweep.n_trials=0 is not allowed: a positive integer or null"),
+    (["--multirun", "sweep=lr", "sweep.n_jobs=abc"], "sweep.n_jobs=abc is not allowed: must be an integer"),
+    (["--multirun", "sweep=lr", "+sweep.foo=1"], "sweep.foo=1 is not allowed: sweep has no key 'foo'"),
+    (["--multirun", "sweep=lr", "optim.embedding_lr=inf"], "optim.embedding_lr=inf is not allowed: numbers must be "
+                                                           "finite"),
+    (["--multirun", "sweep=lr", "sweep.params.optim.matrix_lr=foo(1)"], "'sweep.params.optim.matrix_lr=foo(1)' is "
+                                                                       "not allowed: it is not an override"),
+    (["--multirun", "sweep=lr", "sweep.n_jobs=999"], "sweep.n_jobs=999 is not allowed: this machine has"),
+]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model=huge", "Could not find 'model/huge'"),
-    ("model.heads=4", "Key 'heads' not in 'ModelConfig'"),
-    ("model.depth=ten", "Value 'ten' of type 'str' could not be converted to Integer"),
-    ("model.depth=-1", "model.depth=-1 is not allowed: must be a positive integer"),
-    ("schedule.warmdown_fraction=1.5", "schedule.warmdown_fraction=1.5 is not allowed: must be between 0 and 1"),
-    ("model.n_head=3", "model.d_model=128 is not allowed: must be divisible by model.n_head=3"),
-    ("optim=sgd", "Could not find 'optim/sgd'"),
-    ("train.batch_tokens=1000", "train.batch_tokens=1000 is not allowed: must be a multiple of model.seq_len=256"),
-    ("data.path=/no/such/folder", "data.path='/no/such/folder' does not exist"),
-    ("data.path=", "data.path='' is not allowed: set it to a directory or file of text"),
-    ("device=cuda", "device='cuda' is not available"),
-    ("precision=fp8", "precision='fp8' is not allowed: choose one of auto, bf16, fp32"),
-    ("neuron_logical_cores=3", "neuron_logical_cores=3 is not allowed: 1 (8 logical cores per Trainium2 chip)"),
-])
-def test_bad_input_is_one_clear_sentence(override, message):
-    result = run_cli([*FAST, override, "budget.max_steps=1"])
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
+def isolated(folder) -> list[str]:
+    """Every place a run writes to, inside `folder`."""
+    return [f"hydra.run.dir={folder}/run", f"hydra.sweep.dir={folder}/sweep", "tracking.enabled=true",
+            f"tracking.uri=sqlite:///{folder}/mlflow.db", f"data.cache_dir={folder}/cache"]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(args) for args, _ in BAD])
+def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
+    options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
+    overrides = [arg for arg in args if arg not in options]
+    if "sweep=lr" in overrides:  # the study's storage too
+        overrides.append(f"sweep.storage={tmp_path}/study.journal")
+    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides], timeout=120)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_table_is_at_least_sixty_distinct_mistakes():
+    assert len({" ".join(args) for args, _ in BAD}) == len(BAD) >= 60
+
+
+def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for args in (["hydra.run.dir={}"], ["--multirun", "hydra.sweep.dir={}"]):
+        target = tmp_path / "a_file" / "run"
+        args = [arg.format(target) for arg in args]
+        result = run_cli([*args[:-1], *FAST, args[-1]], timeout=120)
+        assert result.returncode == 2, result.stderr
+        key = args[-1].split("=")[0]
+        assert result.stderr == f"error: {key}={target} is not allowed: it cannot be created (Not a directory); " \
+                                f"{tmp_path / 'a_file'} is not a writable directory\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
+
+
+def test_a_mistake_found_when_the_run_starts_is_one_sentence(tmp_path):
+    result = run_cli([*FAST, "device=cuda", "budget.max_steps=1", f"hydra.run.dir={tmp_path}/run"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith("error: device='cuda' is not available"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_showing_commands_still_work():
+    shown = run_cli(["model=tiny", "--cfg", "job"], timeout=120)
+    assert shown.returncode == 0 and "name: tiny" in shown.stdout, shown.stderr
+    refused = run_cli(["model.foo=1", "--cfg", "job"], timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: ") and len(refused.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("module, args, names", [
+    ("frontier.eval", ["foo=1"], "'foo'"),
+    ("frontier.leaderboard", ["foo=1"], "'foo'"),
+    ("frontier.sweep_report", ["study=s", "foo=1"], "foo=1"),
+    ("frontier.model_card", ["model.foo=1"], "'foo'"),
+    ("frontier.model_card", ["--no-such-flag"], "--no-such-flag"),
+])
+def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, names):
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], result.stderr
 
 
 def test_a_data_file_without_text_column_names_the_file(tmp_path):

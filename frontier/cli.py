@@ -1,0 +1,386 @@
+"""Hydra's command line with a user's mistake as one sentence: `error: KEY=VALUE is not allowed: ...`,
+exit code 2, no traceback, and nothing written.
+
+`@frontier.cli.main(config_path=..., config_name=...)` replaces `@hydra.main`. Before Hydra runs,
+and so before it creates outputs/ or multirun/ or the task opens a store or reads data, the
+command line is parsed and composed as Hydra will compose it, and every run it describes (each
+point of a `--multirun` grid) is built into its typed config with every range check
+(frontier.config.to_config). Whatever Hydra, OmegaConf or a ConfigError still raises later (the
+sweeper's own checks, for one) outside the task function is turned into one sentence as well.
+Showing commands (--help, --info, --cfg) are passed to Hydra unchecked.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import re
+import sys
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import hydra
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import (create_automatic_config_search_path, detect_calling_file_or_module_from_task_function,
+                                   detect_task_name, get_args_parser)
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from frontier.config import ConfigError, check_keys, key_hint, register_schemas, to_config
+
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,
+         check: Optional[Callable[[DictConfig], None]] = None) -> Callable:
+    """`hydra.main` whose user mistakes are one sentence and exit code 2. `user_errors()` gives the
+    task's own mistake types (a --multirun job that raises one ends the command the same way; a
+    function, so that they are imported only when needed); `check(cfg)`, the task's own
+    side-effect-free checks of one composed run, is done before Hydra runs."""
+
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable:
+        hydra_main = hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)
+
+        @functools.wraps(task)
+        def entry(cfg_passthrough: Optional[DictConfig] = None) -> Any:
+            if cfg_passthrough is not None:  # called as a function, as hydra.main allows
+                return task(cfg_passthrough)
+            register_schemas()  # the `frontier_schema` the primary config builds on
+            try:
+                check_command_line(task, config_path, config_name, sys.argv[1:], check)
+                with hydra_raises():
+                    return hydra_main()
+            except Exception as err:
+                if not is_mistake(err, task, user_errors):
+                    raise
+                if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank says it
+                    print(f"error: {one_sentence(err)}", file=sys.stderr)
+                raise SystemExit(2) from None
+
+        return entry
+
+    return decorate
+
+
+@contextlib.contextmanager
+def hydra_raises():
+    """Hydra prints its own errors (several lines, exit code 1) unless HYDRA_FULL_ERROR is set; then
+    it raises them, and `main` says them in one sentence."""
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
+def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:
+    if isinstance(err, ConfigError):
+        return True
+    if isinstance(err, (HydraException, OmegaConfBaseException)):
+        return not raised_in(err, task.__code__)  # from the task's own code it is a bug, not the command line's
+    return isinstance(err, user_errors())
+
+
+def raised_in(err: BaseException, code) -> bool:
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def one_sentence(err: BaseException) -> str:
+    if isinstance(err, ConfigError):
+        return str(err)
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else type(err).__name__
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    return text
+
+
+# -- the checks, before Hydra runs ------------------------------------------------------------------
+
+def check_command_line(task: Callable, config_path: str, config_name: str, argv: list[str],
+                       check: Optional[Callable[[DictConfig], None]] = None) -> None:
+    args = parse_args(argv)
+    commands = [name for name, given in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                         ("--info", args.info), ("--shell-completion", args.shell_completion)) if given]
+    if len(commands) > 1:
+        raise ConfigError(f"{' and '.join(commands)} are not allowed together: give one of them")
+    if args.resolve and not (args.cfg or args.help):
+        raise ConfigError("--resolve is not allowed alone: it goes with --cfg or --help")
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
+        return  # they only show things; Hydra's errors there still become one sentence
+    overrides = [parse_override(arg) for arg in args.overrides]
+    if args.config_dir is not None and not Path(args.config_dir).is_dir():
+        raise ConfigError(f"--config-dir={args.config_dir} is not allowed: it is not a directory")
+    with composer(task, args.config_path or config_path, args.config_name or config_name, args.config_dir) as app:
+        mode = app.mode(overrides, args.multirun)
+        if mode == RunMode.RUN:
+            for override in overrides:
+                if override.is_sweep_override() and not override.is_hydra_override():
+                    raise ConfigError(f"{override.input_line} is not allowed: a comma list or sweep function "
+                                      "sweeps over values, which needs --multirun (quote a value that holds a "
+                                      "comma: key='a,b'; a list is key=[a,b])")
+            cfg = app.compose(overrides, RunMode.RUN)
+            check_run(app, cfg, overrides, check)
+            check_writable(cfg, "hydra.run.dir")
+            return
+        master = app.compose(overrides, RunMode.MULTIRUN)
+        check_writable(master, "hydra.sweep.dir")
+        if master.get("sweep") is not None:  # an Optuna search: its sweeper checks its trials
+            check_keys_only(app, master, overrides)
+            return
+        for point in grid(master, overrides):  # Hydra's grid: every point must be a valid run
+            check_run(app, app.compose(point, RunMode.RUN), point, check)
+
+
+def parse_args(argv: list[str]):
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        what, _, rest = message.partition(": ")
+        if what == "unrecognized arguments":
+            raise ConfigError(f"{rest} is not allowed: not an option of this command; options go before the "
+                              "overrides (see --help)")
+        raise ConfigError(f"{message} (see --help)")
+
+    parser.error = refuse  # argparse would print its usage and a second line
+    return parser.parse_args(argv)
+
+
+def parse_override(arg: str) -> Override:
+    try:
+        override = OverridesParser.create().parse_override(arg)
+        if override.key_or_group:
+            return override
+    except HydraException:
+        pass
+    if "=" not in arg and not arg.startswith("~"):
+        raise ConfigError(f"{arg!r} is not allowed: an override is KEY=VALUE (e.g. {arg}=...), "
+                          f"+KEY=VALUE or ~KEY; grammar: {GRAMMAR}")
+    raise ConfigError(f"{arg!r} is not allowed: it is not an override Hydra can read; write KEY=VALUE with "
+                      "a number, a word, a quoted string, a [list] or a sweep such as a,b (values with "
+                      f"spaces, = or brackets in quotes); grammar: {GRAMMAR}")
+
+
+class Composer:
+    """Hydra's own composition, as `hydra.main` sets it up for the task function."""
+
+    def __init__(self, app: Hydra, config_name: str):
+        self.app, self.config_name = app, config_name
+
+    def mode(self, overrides: list[Override], multirun: bool) -> RunMode:
+        chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
+        return RunMode.MULTIRUN if multirun or chosen == RunMode.MULTIRUN else RunMode.RUN
+
+    def compose(self, overrides: list[Override], mode: RunMode) -> DictConfig:
+        """The composed config (with its hydra node); a failure names the override that causes it."""
+        lines = [o.input_line for o in overrides]
+        try:
+            return self._compose(lines, mode)
+        except Exception:  # find the first override that breaks composition, to name it
+            pass
+        before = self._compose([], mode)
+        for i, override in enumerate(overrides):
+            try:
+                after = self._compose(lines[:i + 1], mode)
+            except Exception as err:
+                raise ConfigError(self.explain(override, err, before)) from None
+            before = after
+        raise ConfigError(f"{' '.join(lines)} is not allowed: these overrides do not compose together")
+
+    def _compose(self, lines: list[str], mode: RunMode) -> DictConfig:
+        return self.app.compose_config(config_name=self.config_name, overrides=list(lines), run_mode=mode,
+                                       with_log_configuration=False, from_shell=True)
+
+    def options(self, group: str) -> list[str]:
+        return self.app.config_loader.get_group_options(group) if self.is_group(group) else []
+
+    def is_group(self, key: str) -> bool:
+        return self.app.config_loader.repository.group_exists(key)
+
+    def explain(self, override: Override, err: Exception, before: DictConfig) -> str:
+        """Why `override` does not compose onto `before`, in words."""
+        line, key = override.input_line, override.key_or_group
+        if isinstance(err, MissingConfigException) and self.is_group(key):
+            return f"{line} is not allowed: {key} has no such option; choose one of {', '.join(self.options(key))}"
+        if override.is_delete() and self.is_group(key):
+            return f"{line} is not allowed: {key} is required; choose one of {', '.join(self.options(key))}"
+        if override.is_add() and self.is_group(key):
+            return f"{line} is not allowed: {key} is chosen already; write {line.lstrip('+')} without +"
+        problem = key_problem(before, key, self.options)
+        if problem is not None:
+            return f"{line} is not allowed: {problem}"
+        if override.is_add():
+            return f"{line} is not allowed: {key} exists already; set it without +: {line.lstrip('+')}"
+        if override.is_delete():
+            return f"{line} is not allowed: {key} is part of the schema and cannot be deleted; set it instead"
+        cause = err.__cause__ if err.__cause__ is not None else err
+        if isinstance(cause, ValidationError):
+            expected = allowed_type(before, key)
+            if expected:
+                return f"{line} is not allowed: must be {expected}"
+        return f"{line} is not allowed: {one_sentence(err)}"
+
+
+@contextlib.contextmanager
+def composer(task: Callable, config_path: str, config_name: str, config_dir: Optional[str]):
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(task)
+    search_path = create_automatic_config_search_path(calling_file, calling_module, config_path)
+    if config_dir is not None:
+        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(config_dir)}")
+    app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
+                                   config_search_path=search_path)
+    try:
+        yield Composer(app, config_name)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def task_part(cfg: DictConfig) -> DictConfig:
+    """What the task function receives: the config without its hydra node."""
+    task_cfg = cfg.copy()
+    with open_dict(task_cfg):
+        task_cfg.pop("hydra", None)
+    return task_cfg
+
+
+def check_run(app: Composer, cfg: DictConfig, overrides: list[Override],
+              check: Optional[Callable[[DictConfig], None]]) -> None:
+    """One run's config built into typed objects, with every range check."""
+    task_cfg = task_part(cfg)
+    try:
+        to_config(task_cfg)
+        if check is not None:
+            check(task_cfg)
+    except OmegaConfBaseException as err:  # a deleted required key, an interpolation that fails
+        raise ConfigError(explain_value(app, err, overrides, cfg)) from None
+
+
+def check_keys_only(app: Composer, cfg: DictConfig, overrides: list[Override]) -> None:
+    """Keys and numbers of a search's base config, and its sweep.* values; the trials' values are
+    the sweeper's to check."""
+    try:
+        check_keys(task_part(cfg))
+        OmegaConf.to_object(cfg.sweep)  # SweepConfig's range checks
+    except OmegaConfBaseException as err:
+        raise ConfigError(explain_value(app, err, overrides, cfg)) from None
+
+
+def explain_value(app: Composer, err: OmegaConfBaseException, overrides: list[Override], cfg: DictConfig) -> str:
+    key = re.sub(r"\[.*", "", getattr(err, "full_key", None) or "")
+    mine = [o for o in overrides if o.key_or_group == key]
+    line = mine[-1].input_line if mine else key
+    if isinstance(err, MissingMandatoryValue):
+        options = app.options(key)
+        return (f"{line} is not allowed: {key} is required" +
+                (f"; choose one of {', '.join(options)}" if options else f"; set {key}=VALUE"))
+    expected = allowed_type(cfg, key) if isinstance(err, ValidationError) else None
+    reason = f"must be {expected}" if expected else str(err).strip().splitlines()[0]
+    return f"{line} is not allowed: {reason}"
+
+
+def key_problem(cfg: DictConfig, key: str, options: Callable[[str], list[str]]) -> Optional[str]:
+    """What is wrong with the key path itself (a missing key, a parent that is null or a value)."""
+    node: Any = cfg
+    walked: list[str] = []
+    for part in key.split("."):
+        where = ".".join(walked)
+        if node is None:
+            choices = options(where)
+            return (f"{where} is null here" +
+                    (f"; choose one first with {where}=NAME ({', '.join(choices)})" if choices else ""))
+        if not isinstance(node, DictConfig):
+            return f"{where} is a single value, not a group of keys"
+        if part not in node:
+            return key_hint(where, part, [str(k) for k in node.keys()])
+        child = node._get_node(part)
+        node = None if child is None or child._is_none() else child if isinstance(child, DictConfig) else "value"
+        walked.append(part)
+    return None
+
+
+WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+PLURAL = {int: "integers", float: "numbers", bool: "booleans", str: "strings"}
+
+
+def allowed_type(cfg: DictConfig, key: str) -> Optional[str]:
+    """What the schema allows at `key`, in words (None where it does not say)."""
+    hint: Any = OmegaConf.get_type(cfg)
+    for part in key.split("."):
+        hint = _without_none(hint)
+        if not is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+    return _words(hint) if hint is not None else None
+
+
+def _without_none(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def _words(hint: Any) -> Optional[str]:
+    inner = _without_none(hint)
+    if inner is not hint:
+        words = _words(inner)
+        return f"{words} or null" if words else None
+    if hint in WORDS:
+        return WORDS[hint]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (list, typing.List) and args and args[0] in PLURAL:
+        return f"a list of {PLURAL[args[0]]} in brackets, e.g. [1, 2]"
+    if origin in (dict, typing.Dict):
+        return "a mapping such as {key: value}"
+    if is_dataclass(hint):
+        return f"a group of keys ({', '.join(f.name for f in fields(hint))})"
+    return None
+
+
+def grid(master: DictConfig, overrides: list[Override]) -> list[list[Override]]:
+    """Every point of Hydra's basic sweep, as that sweeper expands it."""
+    params = master.hydra.sweeper.get("params") or {}
+    extra = [parse_override(f"{key}={value}") for key, value in params.items()]
+    task_overrides = extra + [o for o in overrides if not o.is_hydra_override()]
+    for override in task_overrides:
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            raise ConfigError(f"{override.input_line} is not allowed: a --multirun grid takes lists of values "
+                              "(a,b or range(...)); interval() needs an Optuna search (sweep=NAME)")
+    batches = BasicSweeper.split_arguments(task_overrides, None)
+    return [[parse_override(line) for line in point] for batch in batches for point in batch]
+
+
+def check_writable(cfg: DictConfig, key: str) -> None:
+    """Hydra creates this directory first thing: one that cannot be created is a mistake found now."""
+    try:
+        path = Path(str(OmegaConf.select(cfg, key)))
+    except Exception:  # it depends on values known only when the job starts
+        return
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        reason = errno.ENOTDIR
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = errno.EACCES
+    else:
+        return
+    raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({os.strerror(reason)}); {existing} "
+                      "is not a writable directory")
