@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA path measured in one go: every figure is printed and written as JSON to
-# $OUT/gpu_check.json (OUT defaults to ./gpu_check_out). Sized for about 8 minutes on one H200.
+# $OUT/gpu_check.json (OUT defaults to ./gpu_check_out). Sized for 8-9 minutes on one H200.
 #
 #   bash scripts/gpu_check.sh            measure on a CUDA machine; dry-run on one without CUDA
 #   bash scripts/gpu_check.sh --prepare  on the workstation, before borrowing a GPU machine: copies
@@ -18,11 +18,11 @@
 #   torchrun   the same under torchrun --standalone --nproc_per_node=1 (nccl), shorter
 # Without CUDA every part is skipped, saying it needs a GPU, after checking what a CPU can: the gpu
 # tests are collected and skip, the bench CLI runs one tiny CPU step, and the training overrides
-# compose (--cfg job). Exit status 0 unless a part that ran (or a CPU check) failed.
+# compose and pass the config checks. Exit status 0 unless a part that ran (or a CPU check) failed.
 #
 # Environment knobs: OUT, PYTHON (python3), DATA (a directory of parquet shards), TOKENIZER (a
 # tokenizer.json; else one is trained), BATCH_TOKENS (262144), DEVICE_ROWS (64), TRAIN_SECONDS (120),
-# TORCHRUN_SECONDS (30), GPU_CHECK_SECONDS (480: the whole script's allowance; each part gets at
+# TORCHRUN_SECONDS (30), GPU_CHECK_SECONDS (540: the whole script's allowance; each part gets at
 # most what is left), GPU_CHECK_WORK (run directories and caches; /tmp/gpu_check_work).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ BATCH_TOKENS=${BATCH_TOKENS:-262144}
 DEVICE_ROWS=${DEVICE_ROWS:-64}
 TRAIN_SECONDS=${TRAIN_SECONDS:-120}
 TORCHRUN_SECONDS=${TORCHRUN_SECONDS:-30}
-ALLOWANCE=${GPU_CHECK_SECONDS:-480}
+ALLOWANCE=${GPU_CHECK_SECONDS:-540}  # inside the device tool's 600-s limit per command
 H200_PEAK=989e12  # dense bf16 FLOP/s, the figure MFU is quoted against
 WHEELS=(hydra-core omegaconf antlr4-python3-runtime datasets dill multiprocess)
 
@@ -152,17 +152,25 @@ TRAIN_ARGS=(model=base kernel=compiled device=cuda precision=bf16 "data.path=$DA
 BENCH_GRID=("bench.models=[base,deep_swa]" "bench.kernels=[reference,compiled,triton]")
 TESTS=("$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_gpu.py "--junitxml=$OUT/gpu_tests.xml")
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m frontier.train)
+# a run's overrides, composed and checked as `python -m frontier.train` would, without running it
+COMPOSES='import sys
+from hydra import compose, initialize_config_dir
+from frontier.config import PROJECT_ROOT, register_schemas, to_config
+register_schemas()
+with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+    print(to_config(compose(config_name="config", overrides=sys.argv[1:])))
+'
 
 if [[ $CUDA == 1 ]]; then
   [[ -d $DATA ]] || say "no data at $DATA: set DATA, or run 'bash scripts/gpu_check.sh --prepare' here and carry .gpu_data"
-  run_part gpu_tests 150 "${TESTS[@]}"
-  run_part bench 210 "$PY" -m frontier.bench "${BENCH_GRID[@]}" "bench.output=$OUT/bench.json" device=cuda \
+  run_part gpu_tests 120 "${TESTS[@]}"
+  run_part bench 240 "$PY" -m frontier.bench "${BENCH_GRID[@]}" "bench.output=$OUT/bench.json" device=cuda \
       precision=bf16 "train.batch_tokens=$BATCH_TOKENS" "train.device_batch_rows=$DEVICE_ROWS" "data.path=$DATA" \
       tracking.enabled=false
   rm -rf "$WORK/train_run" "$WORK/torchrun_run"
-  run_part train $((TRAIN_SECONDS + 150)) "$PY" -m frontier.train "${TRAIN_ARGS[@]}" \
+  run_part train $((TRAIN_SECONDS + 120)) "$PY" -m frontier.train "${TRAIN_ARGS[@]}" \
       "budget.seconds=$TRAIN_SECONDS" "hydra.run.dir=$WORK/train_run"
-  run_part torchrun $((TORCHRUN_SECONDS + 120)) "${TORCHRUN[@]}" "${TRAIN_ARGS[@]}" \
+  run_part torchrun $((TORCHRUN_SECONDS + 90)) "${TORCHRUN[@]}" "${TRAIN_ARGS[@]}" \
       "budget.seconds=$TORCHRUN_SECONDS" "hydra.run.dir=$WORK/torchrun_run"
 else
   dry_part gpu_tests "pytest -m gpu collects the CUDA tests and each skips" "${TESTS[@]}"
@@ -170,11 +178,11 @@ else
       "bench.models=[tiny]" "bench.kernels=[reference]" bench.warmup=0 bench.steps=1 bench.ops=false \
       train.batch_tokens=512 train.device_batch_rows=2 \
       "bench.output=$WORK/bench_smoke.json" device=cpu precision=fp32 tracking.enabled=false
-  dry_part train "the run's overrides compose (--cfg job)" "$PY" -m frontier.train "${TRAIN_ARGS[@]}" \
-      "budget.seconds=$TRAIN_SECONDS" "hydra.run.dir=$WORK/train_run" --cfg job
-  dry_part torchrun "torchrun is there and the run's overrides compose (--cfg job)" bash -c \
-      "$(printf '%q ' "$PY" -m torch.distributed.run --help) >/dev/null && $(printf '%q ' "$PY" -m frontier.train \
-      "${TRAIN_ARGS[@]}" "budget.seconds=$TORCHRUN_SECONDS" --cfg job)"
+  dry_part train "the run's overrides compose and pass the config checks" \
+      "$PY" -c "$COMPOSES" "${TRAIN_ARGS[@]}" "budget.seconds=$TRAIN_SECONDS"
+  dry_part torchrun "torchrun is there and the run's overrides compose and pass the config checks" bash -c \
+      "$(printf '%q ' "$PY" -m torch.distributed.run --help) >/dev/null && $(printf '%q ' "$PY" -c "$COMPOSES" \
+      "${TRAIN_ARGS[@]}" "budget.seconds=$TORCHRUN_SECONDS")"
 fi
 
 # Collect every figure into one JSON file and print them.
@@ -212,8 +220,9 @@ if bench is not None:
         row["mfu_h200"] = row["tokens_per_second"] * row["flops_per_token"] / peak
     parts["bench"]["rows"] = rows
 
-KEYS = ("status", "val_bpb", "budget_utilization", "startup_seconds", "step_time_fraction", "excluded_seconds",
-        "charged_seconds", "steps", "tokens_per_second", "mfu", "peak_flops_source", "flops_per_token")
+KEYS = ("status", "error", "val_bpb", "budget_utilization", "startup_seconds", "step_time_fraction",
+        "excluded_seconds", "charged_seconds", "steps", "tokens_per_second", "mfu", "mfu_note", "precision",
+        "peak_flops_source", "flops_per_token")
 for run in ("train", "torchrun"):
     summary = read(out / f"{run}_summary.json")
     if summary is not None:
