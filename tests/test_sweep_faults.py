@@ -51,7 +51,7 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.5):
 
 def trial_attr(storage: str, name: str, key: str):
     """Trial 0's user attribute `key`, once the study and the attribute exist."""
-    if not Path(storage).exists():
+    if "://" not in storage and not Path(storage).exists():
         return None
     try:
         trials = load(storage, name).get_trials(deepcopy=False)
@@ -109,39 +109,42 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
 # Supervised trials
 
 
+def postgres_or_skip():
+    try:
+        return open_storage(POSTGRES)
+    except Exception as err:
+        pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+
+
 @pytest.mark.slow
-def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path):
-    storage = str(tmp_path / "study.journal")
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, backend):
+    storage, name = str(tmp_path / "study.journal"), f"silent-{uuid.uuid4().hex[:8]}"
+    if backend == "postgresql":
+        postgres_or_skip()
+        storage = POSTGRES
     driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
                                              "sweep.heartbeat_interval=1", "sweep.grace_period=6",
-                                             f"sweep.storage={storage}", "sweep.study_name=silent"),
+                                             f"sweep.storage={storage}", f"sweep.study_name={name}"),
                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        # the trial's own heartbeat runs once the heartbeat moves on from the driver's stamp at launch
-        first = wait_for(lambda: heartbeat(storage, "silent"), 300, "the launch heartbeat")
-        wait_for(lambda: (heartbeat(storage, "silent") or 0) > first, 300, "the trial's own heartbeat")
-        trial = Process.parse(trial_attr(storage, "silent", "process"))
+        # training has started (metrics logged), so the trial's own heartbeat runs: then it goes silent
+        metrics = tmp_path / "out" / "0" / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 300, "the trial to start training")
+        trial = Process.parse(trial_attr(storage, name, "process"))
         os.kill(trial.pid, signal.SIGSTOP)  # alive, but silent
         output, _ = driver.communicate(timeout=300)
+        assert driver.returncode == 0, output[-3000:]
+        (trial_0,) = load(storage, name).get_trials(deepcopy=False)
+        assert trial_0.state == TrialState.FAIL, output[-3000:]
+        reason = "killed by its driver: it sent no heartbeat for sweep.grace_period=6 s"
+        assert trial_0.user_attrs["fail_reason"] == reason
+        assert "trial 0 FAIL after" in output and reason in output
+        assert gone(trial)
     finally:
         driver.kill()
-    assert driver.returncode == 0, output[-3000:]
-    (trial_0,) = load(storage, "silent").get_trials(deepcopy=False)
-    assert trial_0.state == TrialState.FAIL, output[-3000:]
-    reason = "killed by its driver: it sent no heartbeat for sweep.grace_period=6 s"
-    assert trial_0.user_attrs["fail_reason"] == reason
-    assert f"trial 0 FAIL after" in output and reason in output
-    assert gone(trial)
-
-
-def heartbeat(storage: str, name: str) -> float | None:
-    if not Path(storage).exists():
-        return None
-    try:
-        trials = load(storage, name).get_trials(deepcopy=False)
-    except KeyError:
-        return None
-    return trials[0].system_attrs.get("heartbeat") if trials else None
+        if backend == "postgresql":
+            optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
 @pytest.mark.slow
@@ -198,10 +201,7 @@ def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_
 
 @pytest.mark.slow
 def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_parent_run(tmp_path):
-    try:
-        postgres = open_storage(POSTGRES)
-    except Exception as err:
-        pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+    postgres = postgres_or_skip()
     from mlflow import MlflowClient
 
     name = f"test-drivers-{uuid.uuid4().hex[:8]}"
