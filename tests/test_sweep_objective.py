@@ -3,6 +3,7 @@ report's plots (checkpoints where they were measured, the pareto front)."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,20 @@ def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path):
         assert t.user_attrs["checkpoint_fractions"]  # recorded, though a pareto study takes no reports
     assert "pareto front (val_bpb, core): trials" in done.stdout
     assert (tmp_path / "out" / "report" / "pareto.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep.objective=pareto"], "error: sweep.pruner='hyperband' is not allowed with sweep.objective=pareto"),
+    (["hydra/launcher=submitit_slurm"], "error: hydra/launcher=submitit_slurm is not usable here"),
+])
+def test_a_refused_objective_or_launcher_is_one_sentence_and_creates_nothing(tmp_path, args, message):
+    if "submitit_slurm" in args[0]:
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+        if shutil.which("srun"):
+            pytest.skip("SLURM is here")
+    done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", "model=tiny", "sweep=lr", *args,
+                           f"sweep.storage={tmp_path / 'out' / 'study.journal'}", f"hydra.sweep.dir={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
