@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -62,9 +63,9 @@ def test_an_interrupted_run_resumes_with_exactly_the_same_losses(wiki, tmp_path,
     assert not (tmp_path / "cut" / "resume.pt").exists() and (tmp_path / "cut" / "final.pt").is_file()
 
 
-def cli(args, **kw):
+def cli(args, env=None):
     return subprocess.Popen([sys.executable, "-m", "frontier.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_for(path, proc, timeout=300):
@@ -105,6 +106,179 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(wiki, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "KILLED" and summary["steps"] >= 1
     assert (tmp_path / "resume.pt").is_file()
+
+
+# A test-only sitecustomize.py (put on PYTHONPATH) that reaches into a CLI run: it can slow each
+# forward, backward and optimizer step, send the process SIGTERM at one exact moment of one step
+# (FRONTIER_TEST_SIGNAL="forward:2" = inside the 2nd step of this launch; "backward:K",
+# "between_optimizers:K"; a "twice:" prefix sends a second signal right after), and make writing one
+# file fail as a full disk does (FRONTIER_TEST_ENOSPC=/abs/path/of/resume.pt).
+SITECUSTOMIZE = """
+import errno, os, signal, time
+
+spec = os.environ.get("FRONTIER_TEST_SIGNAL", "")
+slow = float(os.environ.get("FRONTIER_TEST_SLOW", "0"))
+full = os.environ.get("FRONTIER_TEST_ENOSPC")
+
+if full:
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if os.path.abspath(dst) == full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace
+
+if spec or slow:
+    import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    *phase, at = spec.split(":") if spec else ["", "0"]
+    twice = phase[:1] == ["twice"]
+    phase, at = phase[-1], int(at)
+    done = {"first_optimizer": None, "steps": 0, "fired": False, "hooked": set()}
+
+    def moment(name, step):
+        if slow:
+            time.sleep(slow)
+        if name == phase and step == at and not done["fired"]:
+            done["fired"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            if twice:
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)
+
+    def on_grad(grad):
+        moment("backward", done["steps"] + 1)
+
+    def on_forward(module, args):
+        moment("forward", done["steps"] + 1)
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in done["hooked"]:
+                done["hooked"].add(id(p))
+                p.register_hook(on_grad)
+
+    def before_step(optimizer, args, kwargs):
+        if slow:
+            time.sleep(slow)
+
+    def after_step(optimizer, args, kwargs):
+        if done["first_optimizer"] is None:
+            done["first_optimizer"] = optimizer
+        if optimizer is done["first_optimizer"]:
+            done["steps"] += 1
+            moment("between_optimizers", done["steps"])
+
+    register_module_forward_pre_hook(on_forward)
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+"""
+
+
+def hooked_env(tmp_path, **variables) -> dict:
+    folder = tmp_path / "site"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)]), **variables}
+
+
+def strict_json(path):
+    """summary.json as a strict JSON reader sees it: a bare NaN is an error."""
+    def refuse(constant):
+        raise ValueError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def losses_by_step(run_dir) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+SIGNALLED = [*FAST, "precision=fp32", "budget.max_steps=10", "train.batch_tokens=1024", "train.device_batch_rows=2",
+             "train.log_every_fraction=0.01", "eval.every_fraction=0", "checkpoint.every_fraction=0.2"]
+
+
+@pytest.mark.slow
+def test_sigterm_at_any_moment_of_a_step_resumes_to_exactly_the_same_run(wiki, tmp_path):
+    full = cli([*SIGNALLED, f"hydra.run.dir={tmp_path / 'full'}"])
+    _, err = full.communicate(timeout=600)
+    assert full.returncode == 0, err
+    expected = losses_by_step(tmp_path / "full")
+    assert sorted(expected) == list(range(1, 11))
+
+    cut = tmp_path / "cut"
+    launches = [  # (the moment SIGTERM lands, how the launch ends, the step it stops after)
+        ("forward:2", 130, 2),  # inside the 2nd step's forward
+        ("backward:2", 130, 4),  # inside a backward (a parameter's gradient hook), 2nd step of this launch
+        ("between_optimizers:1", 130, 5),  # AdamW has stepped, Muon has not
+        ("random", 130, None),  # at a random moment of slowed steps
+        ("twice:forward:1", 130, None),  # a second signal: aborts at once, resume.pt stays as it was
+        (None, 0, 10),  # the rest of the run
+    ]
+    rng = random.Random()
+    for moment, code, stop_step in launches:
+        args = SIGNALLED + [f"hydra.run.dir={cut}"] if not cut.exists() else [f"resume={cut}",
+                                                                             f"hydra.run.dir={tmp_path / 'r'}"]
+        saved = (cut / "resume.pt").stat().st_mtime_ns if (cut / "resume.pt").exists() else None
+        if moment == "random":
+            proc = cli(args, env=hooked_env(tmp_path, FRONTIER_TEST_SLOW="0.02"))
+            logged = len(losses_by_step(cut))
+            deadline = time.time() + 300
+            while len(losses_by_step(cut)) == logged:  # wait for the resumed run to take a step
+                assert proc.poll() is None and time.time() < deadline, proc.communicate()[1]
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0, 1.5))
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc = cli(args, env=hooked_env(tmp_path, FRONTIER_TEST_SIGNAL=moment or ""))
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == code, (moment, err)
+        assert "Traceback" not in err, (moment, err)
+        if moment and moment.startswith("twice"):
+            assert "second signal (SIGTERM): aborting at once" in err
+            assert (cut / "resume.pt").stat().st_mtime_ns == saved  # not overwritten mid-step
+        elif code == 130:
+            assert "SIGTERM: stopping after this step" in err, err
+            summary = strict_json(cut / "summary.json")
+            assert summary["status"] == "KILLED" and summary["error"] == "interrupted by SIGTERM"
+            assert summary["val_bpb"] is None and summary["steps"] == (stop_step or summary["steps"])
+
+    assert losses_by_step(cut) == expected  # every step once, each loss bit for bit
+    summary, reference = strict_json(cut / "summary.json"), strict_json(tmp_path / "full" / "summary.json")
+    assert summary["status"] == "FINISHED" and summary["error"] is None and summary["steps"] == 10
+    assert summary["val_bpb"] == reference["val_bpb"]
+    assert summary["resumed"] == 4 and len(summary["excluded_seconds_per_launch"]) == 5  # the abort saved none
+    assert not (cut / "resume.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full_file", ["resume.pt", "summary.json"])
+def test_a_full_disk_is_one_clear_error_leaving_no_tmp_and_the_run_recorded(wiki, tmp_path, full_file):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    proc = cli([*FAST, "precision=fp32", "budget.max_steps=4", "train.batch_tokens=1024", "checkpoint.every_fraction=0.5",
+                "tracking.enabled=true", f"tracking.uri={uri}", f"hydra.run.dir={run_dir}"],
+               env=hooked_env(tmp_path, FRONTIER_TEST_ENOSPC=str(run_dir / full_file)))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: cannot write {run_dir / full_file}: No space left on device"], err
+    assert "Traceback" not in err
+    assert not list(run_dir.glob("*.tmp"))
+    runs = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("frontier").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED" if full_file == "resume.pt" else "FINISHED"]
+    if full_file == "resume.pt":
+        summary = strict_json(run_dir / "summary.json")
+        assert summary["status"] == "FAILED" and "No space left on device" in summary["error"]
+        assert summary["steps"] == 2 and summary["val_bpb"] is None
 
 
 def test_a_nan_loss_stops_the_run_as_diverged(wiki, tmp_path, monkeypatch):

@@ -81,6 +81,59 @@ def test_checkpoints_are_reported_at_budget_fractions(wiki, tmp_path, monkeypatc
     assert seen == [(1, 2, 0.25), (2, 4, 0.5), (3, 6, 0.75)]
 
 
+def test_a_step_that_crosses_two_marks_reports_each_with_one_evaluation(wiki, tmp_path, monkeypatch):
+    from frontier import lifecycle
+
+    seen = []
+
+    class Recorder:
+        def on_checkpoint(self, k, bpb, step, progress):
+            seen.append((k, step, round(progress, 3), bpb))
+
+    monkeypatch.setattr(lifecycle, "for_run", lambda run: [Recorder()])
+    raw = compose_config([*FAST, "budget.max_steps=3", "eval.every_fraction=0.2"])
+    train(raw, tmp_path, RunDisplay(enabled=False))
+    # marks 0.2 | 0.4 and 0.6 | (0.8 falls in the last step, which the final evaluation covers)
+    assert [s[:3] for s in seen] == [(1, 1, 0.333), (2, 2, 0.667), (3, 2, 0.667)]
+    assert seen[1][3] == seen[2][3]
+
+
+def test_each_rank_must_get_whole_micro_batches():
+    from frontier.config import ConfigError
+    from frontier.trainer import check_micro_batches
+
+    config = to_config(compose_config(["model=tiny", "train.batch_tokens=12288", "train.device_batch_rows=16"]))
+    check_micro_batches(config, 1)  # 48 rows: three micro-batches of 16
+    with pytest.raises(ConfigError, match=r"train.device_batch_rows=16 is not allowed: each of the 2 rank\(s\) gets "
+                                          r"24 rows per step \(train.batch_tokens=12288 / model.seq_len=256 / 2\)"):
+        check_micro_batches(config, 2)  # 24 rows each: 16 + 8 would mis-scale the gradient
+    check_micro_batches(to_config(compose_config(["model=tiny", "train.batch_tokens=4096",
+                                                  "train.device_batch_rows=16"])), 2)  # 8 rows: one micro-batch
+
+
+@pytest.mark.slow
+def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
+    store = tmp_path / "mlflow.db"
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "resume.pt").write_bytes(b"PK\x03\x04 half a zip file")
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (["resume=/nonexistent/run"], "resume=/nonexistent/run is not allowed: /nonexistent/run does not exist"),
+        ([f"resume={tmp_path / 'foreign'}"], f"resume={tmp_path / 'foreign' / 'resume.pt'} is not allowed: it is "
+                                              "truncated, damaged or not a torch checkpoint"),
+        (["train.batch_tokens=8192", "train.device_batch_rows=12"], "train.device_batch_rows=12 is not allowed"),
+        ([f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"], f"hydra.run.dir={tmp_path / 'a_file' / 'run'} is not "
+                                                          "allowed: it cannot be created (Not a directory"),
+    ]
+    for args, message in cases:
+        result = run_cli([*FAST, "tracking.enabled=true", f"tracking.uri=sqlite:///{store}", *args])
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"error: {message}"), (args, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert not store.exists(), args  # refused before any tracking store was opened
+
+
 @pytest.mark.slow
 def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path):
     result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={tmp_path}"])
