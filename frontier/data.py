@@ -181,6 +181,38 @@ def iter_documents(split: Split, text_column: str, chunk: int = 1024,
 # Tokenizer and token cache
 
 
+class BuildProgress:
+    """What a cache build is doing, so a first run is never silent: a line when it starts and when it
+    ends, and a live count of documents (and characters or tokens) on a terminal in between."""
+
+    def __init__(self, what: str, unit: str):
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.what, self.unit, self.documents, self.amount = what, unit, 0, 0
+        console = Console(stderr=True)
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            console=console, transient=True, disable=not console.is_terminal)
+        self.task = self.bar.add_task(what)
+
+    def __enter__(self) -> "BuildProgress":
+        print(f"{self.what} (once: the result is cached) ...", file=sys.stderr, flush=True)
+        self.bar.start()
+        return self
+
+    def advance(self, documents: int, amount: int) -> None:
+        self.documents += documents
+        self.amount += amount
+        self.bar.update(self.task, description=f"{self.what}: {self.documents:,} documents, "
+                                               f"{self.amount:,} {self.unit}")
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+        if exc[0] is None:
+            print(f"{self.what}: done, {self.documents:,} documents, {self.amount:,} {self.unit}",
+                  file=sys.stderr, flush=True)
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -229,16 +261,16 @@ def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
             except Exception:  # unreadable (damaged by hand, or from another version): train anew
                 path.unlink()
 
-        def texts() -> Iterator[str]:
-            seen = 0
+        def texts(progress: BuildProgress) -> Iterator[str]:
             for docs in iter_documents(train, cfg.text_column):
                 for doc in docs:
                     yield doc
-                    seen += len(doc)
-                    if seen >= cfg.tokenizer_train_chars:
+                    progress.advance(1, len(doc))
+                    if progress.amount >= cfg.tokenizer_train_chars:
                         return
 
-        tokenizer = train_tokenizer(texts(), cfg.vocab_size)
+        with BuildProgress(f"training a {cfg.vocab_size:,}-token BPE tokenizer", "characters") as progress:
+            tokenizer = train_tokenizer(texts(progress), cfg.vocab_size)
         try:
             tokenizer.save(path)
         except OSError as err:  # e.g. the disk filled up
@@ -289,25 +321,29 @@ def load_corpus(split: Split, tokenizer: Tokenizer, cfg: DataConfig, name: str) 
             except (DataError, ValueError, KeyError, OSError) as err:  # never used; rebuilt below
                 print(f"warning: {err}; rebuilding it", file=sys.stderr, flush=True)
         try:
-            _build_corpus(split, tokenizer, cfg.text_column, directory)
+            with BuildProgress(f"tokenizing the {name} split into {directory.parent}", "tokens") as progress:
+                _build_corpus(split, tokenizer, cfg.text_column, directory, progress)
         except OSError as err:  # e.g. the disk filled up
             raise _cache_error(cfg, err) from None
         return TokenCorpus(directory, tokenizer.fingerprint())
 
 
-def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, directory: Path) -> None:
+def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, directory: Path,
+                  progress: BuildProgress) -> None:
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     offsets, total, docs, skipped = [0], 0, 0, {}
     with open(tmp / "tokens.bin", "wb") as out:
         for texts in iter_documents(split, text_column, skipped=skipped):
+            before = total
             for ids in tokenizer.encode_batch(texts):
                 row = np.asarray([tokenizer.bos_id, *ids], dtype=np.uint16)
                 out.write(row.tobytes())
                 total += len(row)
                 offsets.append(total)
                 docs += 1
+            progress.advance(len(texts), total - before)
     if docs == 0:
         shutil.rmtree(tmp)
         raise DataError(f"no non-empty documents in {', '.join(map(str, split.files))}")
