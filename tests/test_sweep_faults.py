@@ -5,6 +5,7 @@ Drivers run as `python -m frontier.train --multirun sweep=lr ...` subprocesses, 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -227,3 +228,27 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
         assert all(r.info.status == "FINISHED" for r in children)  # as COMPLETE in the study
     finally:
         optuna.delete_study(study_name=name, storage=postgres)
+
+
+@pytest.mark.slow
+def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
+                                             f"sweep.storage={storage}", "sweep.study_name=stopped"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        metrics = tmp_path / "out" / "0" / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 300, "the trial to start training")
+        trial = Process.parse(trial_attr(storage, "stopped", "process"))
+        driver.send_signal(signal.SIGTERM)  # preemption, or Ctrl-C
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    (trial_0,) = load(storage, "stopped").get_trials(deepcopy=False)
+    assert trial_0.state == TrialState.FAIL
+    assert trial_0.user_attrs["fail_reason"] == "stopped by its driver (interrupted)"
+    assert gone(trial)
+    summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
+    assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
+    assert (tmp_path / "out" / "0" / "resume.pt").exists()

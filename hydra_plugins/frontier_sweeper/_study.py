@@ -534,10 +534,14 @@ class Sweep:
             self.stopping.set()
             if self.launched is not None:
                 self.launched.terminate()
+            deadline = time.monotonic() + self.sweep.grace_period  # then a trial that ignores SIGTERM is killed
             while not all(event.is_set() for event in done):
                 for process, trial in list(self.processes.items()):  # each trial ends KILLED, recorded FAIL
                     if process not in self.killed:
                         self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
+                    elif time.monotonic() > deadline:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(process.pid, signal.SIGKILL)
                 time.sleep(0.2)
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
