@@ -357,7 +357,7 @@ class SweepConfig:
     heartbeat_interval: int = 30  # seconds between a running trial's (and a driver's) heartbeats
     grace_period: int = 120  # a trial silent this long is killed and FAIL; a silent driver is gone
     # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
-    # + an evaluation allowance (see trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
+    # + an evaluation allowance (default_trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
     trial_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
