@@ -2,7 +2,9 @@
 
 In one process it measures the machine's matmul rate (bf16 and fp32), the training-step throughput
 of every model x kernel configuration in the grid (the trainer's own step, on random tokens), and
-each op's forward+backward time per kernel backend against its reference. Figures, not tests.
+each op's forward+backward time per kernel backend against its reference. Figures, not tests. On a
+CPU the step and the matmul are also timed in process CPU time, so that their ratio (the share of
+the matmul rate a step reaches) and the speed-ups stay fair on a machine other jobs share.
 """
 from __future__ import annotations
 
@@ -64,8 +66,30 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
+def cpu_matmul_rate(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """FLOPs per second of this process's CPU time (all its threads) of the fastest square matmul,
+    up to 2048², timed over `seconds`: what a CPU step's FLOPs per CPU-second are compared with."""
+    size = 256
+    while True:  # the largest size whose matmul takes under a twentieth of `seconds`
+        a = torch.randn(size, size, dtype=dtype)
+        a @ a
+        start = time.process_time()
+        a @ a
+        if size >= 2048 or time.process_time() - start > seconds / 20:
+            break
+        size *= 2
+    best, spent = float("inf"), 0.0
+    while spent < seconds:
+        start = time.process_time()
+        a @ a
+        took = time.process_time() - start
+        best, spent = min(best, took), spent + max(took, 1e-3)
+    return 2 * size ** 3 / max(best, 1e-9)
+
+
 def time_training_step(raw, bench: BenchConfig) -> dict:
-    """The trainer's train_step on random tokens: tokens per second after the warm-up steps."""
+    """The trainer's train_step on random tokens after the warm-up steps: wall-clock and process CPU
+    seconds per step."""
     from frontier.budget import BudgetClock
     from frontier.distributed import World
     from frontier.model import build
@@ -84,12 +108,13 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     for _ in range(bench.warmup):
         train_step(run)
     device.synchronize()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(bench.steps):
         train_step(run)
     device.synchronize()
     seconds = (time.perf_counter() - start) / bench.steps
     return {"tokens_per_second": config.train.batch_tokens / seconds, "step_seconds": seconds,
+            "cpu_seconds_per_step": (time.process_time() - cpu_start) / bench.steps,
             "params": model.num_params()["total"], "flops_per_token": model.flops_per_token(),
             "batch_tokens": config.train.batch_tokens, "device": device, "nominal_peak": device.nominal_peak_flops()}
 
@@ -164,32 +189,51 @@ def main(argv: list[str]) -> dict:
     rates = {f"matmul_{p}_flops": matmul_rate(device, p, refresh=True)["flops"] for p in ("bf16", "fp32")}
     console.print(f"{device.name}: matmul bf16 {rates['matmul_bf16_flops'] / 1e9:,.0f} GFLOP/s, "
                   f"fp32 {rates['matmul_fp32_flops'] / 1e9:,.0f} GFLOP/s")
+    on_cpu = device.kind == "cpu"
+    capability = torch.backends.cpu.get_cpu_capability() if on_cpu else None
+    cpu_rates: dict[str, float] = {}  # matmul FLOPs per CPU-second by precision, measured when a row needs it
+    if on_cpu:
+        console.print(f"CPU capability {capability}, {torch.get_num_threads()} threads")
     rows = []
     for model in bench.models:
         for kernel in bench.kernels:
             raw = compose([f"model={model}", f"kernel={kernel}", *overrides])
             figures = time_training_step(raw, bench)
-            achievable = rates[f"matmul_{figures['device'].precision}_flops"]  # precision=auto resolved
+            precision = figures["device"].precision  # precision=auto resolved
             flops = figures["tokens_per_second"] * figures["flops_per_token"]
             nominal = figures["nominal_peak"]
+            step_flops = figures["batch_tokens"] * figures["flops_per_token"]
+            if on_cpu:  # the step's FLOPs per CPU-second against the matmul's: load on the machine cancels
+                if precision not in cpu_rates:
+                    cpu_rates[precision] = cpu_matmul_rate({"bf16": torch.bfloat16, "fp32": torch.float32}[precision])
+                measured = step_flops / figures["cpu_seconds_per_step"] / cpu_rates[precision]
+            else:
+                measured = flops / rates[f"matmul_{precision}_flops"]
             rows.append({
                 "model": model, "kernel": kernel,
                 "tokens_per_second": figures["tokens_per_second"],
                 "step_seconds": figures["step_seconds"],
+                "cpu_seconds_per_step": figures["cpu_seconds_per_step"],
                 "mfu_nominal": flops / nominal if nominal else None,
-                "mfu_measured": flops / achievable,
+                "mfu_measured": measured,
+                "matmul_cpu_flops": cpu_rates.get(precision), "cpu_capability": capability,
                 "params": figures["params"], "flops_per_token": figures["flops_per_token"],
                 "batch_tokens": figures["batch_tokens"], "precision": figures["device"].precision, **rates,
             })
     for row in rows:  # each kernel against the reference of the same model, measured in this process
         base = next((r for r in rows if r["model"] == row["model"] and r["kernel"] == "reference"), None)
-        row["speedup_vs_reference"] = row["tokens_per_second"] / base["tokens_per_second"] if base else None
+        key = "cpu_seconds_per_step" if on_cpu else "step_seconds"  # CPU time: fair when the load changed
+        row["speedup_vs_reference"] = base[key] / row[key] if base else None
 
+    for precision, rate in cpu_rates.items():
+        console.print(f"matmul {precision}: {rate / 1e9:,.1f} GFLOP per CPU-second")
     table = Table(title="training step throughput")
-    for column in ("model", "kernel", "tokens/s", "step s", "vs reference", "MFU nominal", "MFU measured"):
+    for column in ("model", "kernel", "dtype", "tokens/s", "step s", "CPU s/step", "vs reference",
+                   "MFU nominal", "of matmul rate"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r["model"], r["kernel"], f"{r['tokens_per_second']:,.0f}", f"{r['step_seconds']:.3f}",
+        table.add_row(r["model"], r["kernel"], r["precision"], f"{r['tokens_per_second']:,.0f}",
+                      f"{r['step_seconds']:.3f}", f"{r['cpu_seconds_per_step']:.3f}",
                       f"{r['speedup_vs_reference']:.2f}x" if r["speedup_vs_reference"] else "-",
                       f"{r['mfu_nominal']:.1%}" if r["mfu_nominal"] is not None else "n/a",
                       f"{r['mfu_measured']:.1%}")
@@ -207,7 +251,7 @@ def main(argv: list[str]) -> dict:
                 table.add_row(o["op"], o["backend"], f"{o['seconds'] * 1e3:.2f}", f"{o['speedup']:.2f}x")
         console.print(table)
 
-    report = {"rows": rows, "ops": ops, **rates, "device": device.name}
+    report = {"rows": rows, "ops": ops, **rates, "device": device.name, "cpu_capability": capability}
     if bench.output:
         Path(bench.output).write_text(json.dumps(rows, indent=2))
         console.print(f"wrote {bench.output}")

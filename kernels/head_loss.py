@@ -55,17 +55,28 @@ def torch_row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, sc
 
 def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
                         softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch_row_loss and torch_row_grad in one pass over the chunk (tanh once). Overwrites z."""
+    """torch_row_loss and torch_row_grad in one pass over the chunk. Overwrites z.
+
+    The chunk is memory-bound, so this makes as few passes over it as it can: one buffer of
+    exponentials becomes the gradient in place, normalised in the same pass that scales it."""
     if softcap is not None:
-        t = z.div_(softcap).tanh_()
-        logits = t * softcap
+        t = z.mul_(1 / softcap).tanh_()  # logits = softcap * t
+        top = t.amax(dim=-1)
+        probs = (t - top.unsqueeze(1)).mul_(softcap).exp_()  # exp(logit - max logit)
+        top = top * softcap
     else:
-        t, logits = None, z
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+        t, top = None, z.amax(dim=-1)
+        probs = (z - top.unsqueeze(1)).exp_()
+    total = probs.sum(dim=-1)
+    lse = top + total.log()
+    index = targets.clamp(min=0).unsqueeze(1)
+    picked = (t if t is not None else z).gather(1, index).squeeze(1) * (softcap or 1.0)
     loss = torch.where(targets != IGNORE, lse - picked, torch.zeros_like(lse))
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()
-    return loss, lse, _finish_grad(grad, t, targets, scale)
+    grad = probs.mul_((scale / total).unsqueeze(1))  # softmax * scale
+    grad.scatter_add_(1, index, -scale.unsqueeze(1))  # - onehot * scale (an ignored row has scale 0)
+    if t is not None:
+        grad.addcmul_(grad, t.square_(), value=-1)  # through the cap: * (1 - tanh^2)
+    return loss, lse, grad
 
 
 def _finish_grad(probs: torch.Tensor, t: torch.Tensor | None, targets: torch.Tensor,

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,17 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
         [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
          "bench.warmup=1", "bench.steps=1", f"bench.output={out}", "train.batch_tokens=512",
          "train.device_batch_rows=2", "data.vocab_size=1024"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "COLUMNS": "200"})  # wide enough that no column header wraps
     assert result.returncode == 0, result.stderr
     assert "training step throughput" in result.stdout and "ops, forward + backward" in result.stdout
+    assert "CPU s/step" in result.stdout and "of matmul rate" in result.stdout
     (row,) = json.loads(out.read_text())
     assert {"model", "kernel", "tokens_per_second", "mfu_nominal", "mfu_measured",
             "matmul_bf16_flops", "matmul_fp32_flops"} <= row.keys()
+    # CPU time per step and the CPU it ran on, so a figure from a loaded machine can still be compared
+    assert row["cpu_seconds_per_step"] > 0 and row["matmul_cpu_flops"] > 0
+    assert f"CPU capability {row['cpu_capability']}" in result.stdout
     assert row["model"] == "tiny" and row["kernel"] == "reference" and row["tokens_per_second"] > 0
     assert row["mfu_nominal"] is None  # a CPU has no published peak; MFU is against the measured rate
     assert 0 < row["mfu_measured"] < 1
