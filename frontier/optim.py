@@ -18,6 +18,7 @@ POLAR_EXPRESS = (
     (2.3465, -1.7098, 0.4232),
 )
 COEFFICIENTS = {"classic": CLASSIC, "polar_express": POLAR_EXPRESS}
+SCALAR_ADAM_EPS = 1e-7  # see build_optimizers: above the rounding noise of the scalars' first gradient
 
 
 def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express",
@@ -100,7 +101,12 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
         dict(params=groups["unembedding"], lr=cfg.unembedding_lr, weight_decay=0.0),
     ]
     if groups.get("scalar"):  # only models with per-layer scalars have them
-        adam_groups.append(dict(params=groups["scalar"], lr=cfg.scalar_lr, weight_decay=0.0))
+        # While every block's output projection is still zero (the first step) the scalars' exact
+        # gradient is 0 (RMSNorm ignores the stream's scale) and the computed one is rounding noise
+        # (~1e-10), which eps=1e-10 turned into a full-size step of random sign: a different run
+        # per kernel. Real gradients, from the second step on, are orders of magnitude larger.
+        adam_groups.append(dict(params=groups["scalar"], lr=cfg.scalar_lr, weight_decay=0.0,
+                                eps=max(cfg.adam_eps, SCALAR_ADAM_EPS)))
     if cfg.name == "adamw":
         adam_groups.append(dict(params=groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay))
         optimizers = [torch.optim.AdamW(adam_groups, **adam)]
