@@ -192,6 +192,24 @@ def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, 
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], result.stderr
 
 
+def test_an_omegaconf_error_inside_the_task_is_a_bug_not_a_mistake_of_the_command_line():
+    from omegaconf import OmegaConf
+
+    from frontier.cli import is_mistake
+
+    def task(cfg):
+        return cfg.no_such_key
+
+    errors = []
+    for run in (lambda: task(OmegaConf.create({"a": 1}, flags={"struct": True})),
+                lambda: OmegaConf.create({"a": 1}, flags={"struct": True}).no_such_key):
+        try:
+            run()
+        except Exception as err:
+            errors.append(err)
+    assert [is_mistake(err, task, tuple) for err in errors] == [False, True]
+
+
 def test_a_data_file_without_text_column_names_the_file(tmp_path):
     for s in range(2):
         pq.write_table(pa.table({"body": ["words"] * 3}), tmp_path / f"shard_{s:05d}.parquet")
