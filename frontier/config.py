@@ -373,6 +373,8 @@ class SweepConfig:
         _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,
                  "positive seconds or null")
         _require(self.n_jobs >= 1, "sweep.n_jobs", self.n_jobs, "must be a positive integer")
+        _require(self.seed is None or 0 <= self.seed < 2**32, "sweep.seed", self.seed,
+                 "an integer in 0 ... 4294967295 (numpy's seed range) or null")
         _require(self.devices_per_trial >= 1, "sweep.devices_per_trial", self.devices_per_trial,
                  "must be a positive integer")
         _require(self.max_failures >= 0, "sweep.max_failures", self.max_failures, "must be >= 0")

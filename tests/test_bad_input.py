@@ -117,6 +117,7 @@ BAD = [
     (["--multirun", "sweep=nope"], "sweep=nope is not allowed: sweep has no such option; choose one of arch"),
     (["--multirun", "sweep=lr", "sweep.sampler=foo"], "sweep.sampler='foo' is not allowed: choose one of tpe"),
     (["--multirun", "sweep=lr", "sweep.n_trials=0"], "sweep.n_trials=0 is not allowed: a positive integer or null"),
+    (["--multirun", "sweep=lr", "sweep.seed=-1"], "sweep.seed=-1 is not allowed: an integer in 0 ... 4294967295"),
     (["--multirun", "sweep=lr", "sweep.n_jobs=abc"], "sweep.n_jobs=abc is not allowed: must be an integer"),
     (["--multirun", "sweep=lr", "+sweep.foo=1"], "sweep.foo=1 is not allowed: sweep has no key 'foo'"),
     (["--multirun", "sweep=lr", "optim.embedding_lr=inf"], "optim.embedding_lr=inf is not allowed: numbers must be "
