@@ -3,6 +3,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["steps"] == 16 and summary["resumed"] == 1
     assert math.isfinite(summary["val_bpb"])
+    assert sorted(losses_by_step(tmp_path / "run")) == list(range(1, 17))  # the steps after resume.pt once
 
 
 @pytest.mark.slow
@@ -295,9 +297,15 @@ def test_a_nan_loss_stops_the_run_as_diverged(wiki, tmp_path, monkeypatch):
     assert summary["status"] == "FAILED" and "diverged at step 3 (loss=nan)" in summary["error"]
 
 
-def test_a_loss_above_the_ceiling_is_divergence_too(wiki, tmp_path):
-    with pytest.raises(Diverged, match="diverged at step 1"):
-        train(compose_config([*FAST, "budget.max_steps=3", "train.loss_ceiling=0.5"]), tmp_path, QUIET)
+@pytest.mark.slow
+def test_a_loss_above_the_ceiling_is_divergence_too_one_line_exit_1(wiki, tmp_path):
+    proc = cli([*FAST, "budget.max_steps=3", "train.loss_ceiling=0.5", f"hydra.run.dir={tmp_path}"])
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"error: diverged at step 1 \(loss=[0-9.]+\)", err.strip().splitlines()[-1]), err
+    summary = strict_json(tmp_path / "summary.json")  # no bare NaN
+    assert summary["status"] == "FAILED" and summary["val_bpb"] is None
+    assert summary["error"].startswith("diverged at step 1")
 
 
 def shards(folder, texts_per_shard):

@@ -1,6 +1,8 @@
 """End to end on the real Wikipedia shards with the tiny model."""
 import json
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,8 +64,11 @@ def test_a_second_run_reuses_the_tokenizer_and_token_caches(wiki, tmp_path, monk
     train(raw, tmp_path / "first", RunDisplay(enabled=False))
     monkeypatch.setattr(data_module, "train_tokenizer", lambda *a: pytest.fail("tokenizer retrained"))
     monkeypatch.setattr(data_module, "_build_corpus", lambda *a: pytest.fail("corpus rebuilt"))
+    started = time.perf_counter()
     train(raw, tmp_path / "second", RunDisplay(enabled=False))
-    assert json.loads((tmp_path / "second" / "summary.json").read_text())["status"] == "FINISHED"
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED"
+    assert 0 < summary["startup_seconds"] < time.perf_counter() - started  # from this train() call, not import
 
 
 def test_checkpoints_are_reported_at_budget_fractions(wiki, tmp_path, monkeypatch):
@@ -141,3 +146,19 @@ def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["steps"] == 3
     assert (tmp_path / "final.pt").is_file() and (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
+    from frontier.budget import BudgetClock
+    from frontier.config import BudgetConfig
+    from frontier.trainer import summarize
+
+    clock = BudgetClock(BudgetConfig(seconds=10, excluded_steps=1, startup_cap_seconds=5))
+    clock.add_step(3.0, tokens=1000)  # forgiven: its tokens do not count
+    clock.add_step(1.0, tokens=1000)
+    summary = {"flops_per_token": 1e6, "peak_flops": 2e8, "peak_flops_source": "measured 2026-11-30"}
+    run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=2000)
+    summarize(run, None, 0)
+    assert summary["tokens_per_second"] == 1000.0 and summary["mfu"] == 5.0
+    assert "measured 2026-11-30" in summary["mfu_note"] and summary["excluded_seconds_per_launch"] == [3.0]
+    assert capsys.readouterr().err.startswith("warning: mfu 5.00 is above 1")
