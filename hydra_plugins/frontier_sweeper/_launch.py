@@ -22,6 +22,7 @@ SIGTERM of the sweep cancels the jobs still running (scancel on SLURM). Other la
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 LOCAL_LAUNCHERS = ("LocalLauncher", "JoblibLauncher")  # jobs on this machine: pin their devices
 QUEUED = ("PENDING", "REQUEUED", "CONFIGURING", "UNKNOWN")  # submitted, not running yet
+CANCEL_WAIT = 15  # seconds a cancelled job may take to end before its worker moves on
 
 
 def is_builtin(launcher) -> bool:
@@ -103,10 +105,16 @@ class LaunchedTrials:
                                   Singleton.get_state())
             self.jobs.add(job)
         log.info(f"trial {number} is {self.name} job {job.job_id}")
+        cancelled_at = None
         try:
             while not job.done():
-                if watch.reason is None and watch.stop_reason(job.state in QUEUED):
-                    job.cancel(check=False)
+                if cancelled_at is None and (self.cancelled or watch.stop_reason(job.state in QUEUED)):
+                    cancelled_at = time.monotonic()
+                    cancel(job)
+                elif cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_WAIT:
+                    # the trial is recorded FAIL already; a trial still running stops by itself once
+                    # it finds its trial ended or its driver gone
+                    raise RuntimeError(f"it did not end within {CANCEL_WAIT} s of its cancellation")
                 time.sleep(1.0)
             return job.result()
         finally:
@@ -117,15 +125,21 @@ class LaunchedTrials:
                     _append(output, path.read_text(errors="replace"))
 
     def terminate(self) -> None:
-        """Cancels every job still running (Ctrl-C or SIGTERM of the sweep)."""
+        """Ctrl-C or SIGTERM of the sweep: each worker cancels its job."""
         with self.lock:
             self.cancelled = True
-            jobs = list(self.jobs)
-        for job in jobs:
-            try:
-                job.cancel(check=False)
-            except Exception as err:  # already gone
-                log.warning(f"could not cancel job {job.job_id}: {err}")
+
+
+def cancel(job) -> None:
+    """scancel on SLURM. A local job's controller gets SIGINT from submitit, which a driver started
+    in the background passes on ignored; SIGTERM as well reaches the trial (forwarded)."""
+    try:
+        job.cancel(check=False)
+        process = getattr(job, "_process", None)
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+    except Exception as err:  # already gone
+        log.warning(f"could not cancel job {job.job_id}: {err}")
 
 
 class JobWatch:
