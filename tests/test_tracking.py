@@ -351,12 +351,14 @@ def test_sigterm_ends_killed(tmp_path, store):
 
 def test_unreachable_server_stops_before_training(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.time()
     done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, f"tracking.uri={url}",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"tracking.uri={url} is unreachable" in errors[0]
+    assert time.time() - started < 60  # found before any data is read, not after minutes of retries
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 

@@ -252,17 +252,19 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     shutil.copy(template_db, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_dir = tmp_path / "run"
-    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=40", "train.log_every_fraction=0.025",
-                                "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=20", "train.log_every_fraction=0.05",
+                                "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])  # resume.pt every 5 steps
     client = MlflowClient(uri)
 
-    def logged_past_checkpoint() -> bool:  # MLflow holds steps after the first resume point
+    def logged_past_checkpoint() -> bool:  # MLflow holds steps after the last resume point
         if not (run_dir / "resume.pt").exists() or not (run_dir / "tracking.json").exists():
             return False
         run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
-        return max((m.step for m in client.get_metric_history(run_id, "train/loss")), default=0) >= 13
+        last = max((m.step for m in client.get_metric_history(run_id, "train/loss")), default=0)
+        return last > 5 and last % 5 != 0
 
-    trainer.wait_for("steps after the first checkpoint", logged_past_checkpoint)
+    trainer.wait_for("steps after a checkpoint", logged_past_checkpoint)
+    trainer.proc.send_signal(signal.SIGSTOP)
     trainer.proc.send_signal(signal.SIGKILL)
     trainer.finish()
     resume_step = torch.load(run_dir / "resume.pt", weights_only=False)["clock"]["steps"]
@@ -274,7 +276,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     steps = [r["step"] for r in records(run_dir) if "checkpoint" not in r and "final" not in r]
-    assert steps == list(range(1, 41))
+    assert steps == list(range(1, 21))
     checkpoints = [r["checkpoint"] for r in records(run_dir) if "checkpoint" in r]
     assert len(checkpoints) == len(set(checkpoints))
     run = client.get_run(run_id)
