@@ -120,9 +120,11 @@ def test_ops_stop_on_a_backend_this_machine_cannot_run(monkeypatch):
 
 
 @pytest.mark.parametrize("args, backend", [(["kernel=triton"], "triton"), (["kernel.rmsnorm=nki"], "nki")])
-def test_cli_stops_before_reading_data(args, backend):
-    # a folder that does not exist: had the data been read first, that would be the error
-    overrides = [a for a in FAST if not a.startswith("data.path=")] + ["data.path=/no/such/folder", *args]
+def test_cli_stops_before_reading_data(args, backend, tmp_path):
+    # a shard that is not parquet: had the data been read first, that would be the error
+    (tmp_path / "shard_00000.parquet").write_text("not parquet")
+    (tmp_path / "shard_00001.parquet").write_text("not parquet")
+    overrides = [a for a in FAST if not a.startswith("data.path=")] + [f"data.path={tmp_path}", *args]
     result = run_cli(overrides, timeout=120, env={"TRITON_INTERPRET": "0", "NKI_SIMULATOR": "0"})
     assert result.returncode == 2, result.stderr
     assert f"error: the {backend} kernels" in result.stderr and "cannot run here" in result.stderr, result.stderr
