@@ -63,7 +63,8 @@ def test_both_ranks_stop_at_the_same_step_under_a_time_budget(wiki, tmp_path):
 def test_a_world_size_that_does_not_divide_the_batch_is_one_clear_error(wiki, tmp_path):
     result = torchrun(3, [*FAST, f"hydra.run.dir={tmp_path}"])
     assert result.returncode != 0
-    message = "train.batch_tokens=8192 gives 32 rows of model.seq_len per step, which the world size 3 does not divide"
+    message = ("train.batch_tokens=8192 is not allowed: it gives 32 rows of model.seq_len=256 per step, which the "
+               "world size 3 does not divide")
     assert result.stderr.count(message) == 1  # said once, by rank 0
 
 
@@ -75,10 +76,10 @@ def test_a_rank_that_crashes_ends_the_job_instead_of_hanging(wiki, tmp_path):
         "if os.environ.get('RANK') == '1':\n"
         "    from frontier.budget import BudgetClock\n"
         "    real = BudgetClock.add_step\n"
-        "    def crash(self, seconds):\n"
+        "    def crash(self, *args):\n"
         "        if self.steps == 2:\n"
         "            raise RuntimeError('rank 1 lost its device')\n"
-        "        return real(self, seconds)\n"
+        "        return real(self, *args)\n"
         "    BudgetClock.add_step = crash\n")
     env = {"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = torchrun(2, [*FAST, "budget.max_steps=50", f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=300)
