@@ -71,6 +71,7 @@ class Plan:
     device: Device
     world: World
     ops: Ops
+    splits: tuple  # (train, val) files: listed, not read
 
 
 def prepare(raw: DictConfig, run_dir: Path) -> Plan:
@@ -81,6 +82,7 @@ def prepare(raw: DictConfig, run_dir: Path) -> Plan:
         raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
                           "eval bundle (the offline copy is ../shared/data/core)")
     ops = Ops(config.kernel, device.kind)  # a kernel this machine cannot run stops here
+    splits = resolve_splits(config.data)  # a data.path with no data in it stops here
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -93,7 +95,7 @@ def prepare(raw: DictConfig, run_dir: Path) -> Plan:
         raise
     if world.active and device.kind in ("cuda", "neuron"):
         device.torch_device = torch.device(world.device)
-    return Plan(config, device, world, ops)
+    return Plan(config, device, world, ops, splits)
 
 
 def check_micro_batches(config: Config, world_size: int) -> None:
@@ -114,7 +116,7 @@ def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
     """Reads the data and builds the model, optimizers, loader and clock."""
     config, device, world = plan.config, plan.device, plan.world
     torch.manual_seed(config.seed)
-    train_split, val_split = resolve_splits(config.data)
+    train_split, val_split = plan.splits
     tokenizer = load_tokenizer(config.data, train_split)
     train_corpus = load_corpus(train_split, tokenizer, config.data, "train")
     val_corpus = load_corpus(val_split, tokenizer, config.data, "val")
@@ -413,9 +415,12 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
                 save_resume(run)
                 display.note(f"stopped at step {run.clock.steps} ({stopped}); continue with resume={run_dir}")
             raise lifecycle.Killed(stopped)
-        finished = "COMPILED" if run.config.compile_only else "FINISHED"
+        if run.config.compile_only:  # compiled and warmed up: nothing trained to evaluate
+            summarize(run, None, 0)
+            status = "COMPILED"
+            return math.nan
         result = finish(run)
-        status = finished
+        status = "FINISHED"
         (run_dir / "resume.pt").unlink(missing_ok=True)  # final.pt supersedes it
         return result
     except StopRun as stop:  # e.g. pruned by the sweeper: a normal, early end

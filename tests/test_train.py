@@ -103,6 +103,14 @@ def test_a_step_that_crosses_two_marks_reports_each_with_one_evaluation(wiki, tm
     assert seen[1][3] == seen[2][3]
 
 
+def test_compile_only_runs_the_excluded_steps_and_ends_compiled(wiki, tmp_path):
+    raw = compose_config([*FAST, "compile_only=true", "budget.excluded_steps=2"])
+    assert math.isnan(train(raw, tmp_path, RunDisplay(enabled=False)))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "COMPILED" and summary["steps"] == 2 and summary["val_bpb"] is None
+    assert not (tmp_path / "final.pt").exists()
+
+
 def test_each_rank_must_get_whole_micro_batches():
     from frontier.config import ConfigError
     from frontier.trainer import check_micro_batches
