@@ -170,3 +170,14 @@ def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
     assert summary["tokens_per_second"] == 1000.0 and summary["mfu"] == 5.0
     assert "measured 2026-11-30" in summary["mfu_note"] and summary["excluded_seconds_per_launch"] == [3.0]
     assert capsys.readouterr().err.startswith("warning: mfu 5.00 is above 1")
+
+
+@pytest.mark.slow
+def test_an_unreachable_tracking_store_is_found_before_any_data_is_read(wiki, tmp_path):
+    started = time.time()
+    result = run_cli([*FAST, "tracking.enabled=true", "tracking.required=true", "tracking.uri=http://127.0.0.1:9",
+                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: tracking.uri=http://127.0.0.1:9")
+    assert not (tmp_path / "cache").exists()  # no tokenizer trained, no token cache built
+    assert time.time() - started < 120
