@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 import kernels
-from frontier.config import ConfigError, PROJECT_ROOT, register_schemas, to_config
+from frontier import paths
+from frontier.config import ConfigError, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
 
@@ -62,7 +63,7 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(paths.conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 

@@ -15,14 +15,14 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from frontier import paths
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the source tree (git tags); files go under paths.home()
 
 
 def project_path(path: str | Path) -> Path:
-    """Caches and the MLflow store live under the project root, wherever the command runs."""
-    path = Path(path).expanduser()
-    return path if path.is_absolute() else PROJECT_ROOT / path
+    """Caches and the MLflow store live under Frontier's home (frontier/paths.py), wherever the command runs."""
+    return paths.under_home(path)
 
 
 class ConfigError(ValueError):
@@ -285,7 +285,7 @@ class EvalConfig:
     final_tokens: int = 20_971_520  # tokens of the final evaluation (capped by the split)
     batch_rows: int = 8
     core: bool = False  # CORE after training, outside the budget
-    core_bundle: str = "../shared/data/core"
+    core_bundle: str = "${paths.data}/core"
     core_max_per_task: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -390,6 +390,14 @@ class SweepConfig:
 
 
 @dataclass
+class PathsConfig:
+    """Where files live (frontier/paths.py). Defaults: FRONTIER_HOME / FRONTIER_DATA, else the checkout."""
+
+    home: str = "${frontier.home:}"  # mlruns/, .cache/, outputs/, multirun/
+    data: str = "${frontier.data:}"  # text shards and the CORE bundle
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     optim: OptimConfig = MISSING
@@ -397,6 +405,7 @@ class Config:
     kernel: KernelConfig = MISSING
     budget: BudgetConfig = MISSING
     data: DataConfig = MISSING
+    paths: PathsConfig = field(default_factory=PathsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -433,7 +442,9 @@ def register_schemas() -> None:
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations and build the typed objects, running every range check."""
     check_keys(cfg)
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    config = OmegaConf.to_object(cfg)
+    paths.use(config.paths)  # every later default path (caches, the MLflow store) follows the config
+    return config  # type: ignore[return-value]
 
 
 def check_keys(cfg: DictConfig, path: str = "") -> None:

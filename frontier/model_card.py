@@ -20,8 +20,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from frontier import paths
 from frontier.cli import one_sentence
-from frontier.config import PROJECT_ROOT, Config, ConfigError, register_schemas, to_config
+from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
 from frontier.optim import build_optimizers
@@ -29,7 +30,7 @@ from frontier.optim import build_optimizers
 
 def load_config(overrides: list[str]) -> Config:
     register_schemas()
-    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(paths.conf_dir()), version_base="1.3"):
         return to_config(compose(config_name="config", overrides=overrides))
 
 

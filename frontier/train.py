@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from frontier import cli
+from frontier import cli, paths
 from frontier.config import ConfigError
 
 
@@ -39,7 +39,7 @@ def check(cfg: DictConfig) -> None:
         resolve_splits(OmegaConf.to_object(cfg.data))
 
 
-@cli.main(config_path="../conf", config_name="config", user_errors=user_errors, check=check)
+@cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)
 def main(cfg: DictConfig) -> float:
     from frontier.lifecycle import RunWriteError
     from frontier.trainer import Diverged, train

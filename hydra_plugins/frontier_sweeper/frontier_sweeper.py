@@ -21,9 +21,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from frontier.config import PROJECT_ROOT
+from frontier import paths
 
-SWEEPS_DIR = PROJECT_ROOT / "sweeps"
+SWEEPS_DIR = paths.sweeps_dir()
 
 
 @dataclass

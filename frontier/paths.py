@@ -1,0 +1,67 @@
+"""Where Frontier's files are: resolved in one place, the same wherever a command is launched.
+
+- home: `paths.home`, else FRONTIER_HOME, else the root of a source checkout (where pyproject.toml
+  and conf/ sit beside frontier/), else ~/.frontier. The MLflow store (mlruns/), the caches
+  (.cache/) and run outputs (outputs/, multirun/) live under it.
+- data: `paths.data`, else FRONTIER_DATA, else <checkout>/../shared/data, else <home>/data: the text
+  shards (data.path) and the CORE bundle (eval.core_bundle) default to folders in it.
+- configs: a checkout's conf/ and sweeps/, else the copies shipped inside the installed package.
+
+The config group `paths` (conf/paths/default.yaml) shows the resolved values; `paths.home=...` or
+`paths.data=...` on a command line win over the environment.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+PACKAGE = Path(__file__).resolve().parent
+_CHECKOUT = PACKAGE.parent
+IN_CHECKOUT = (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "conf").is_dir()
+
+_chosen: dict[str, Path] = {}  # set from the composed config by use()
+
+
+def home() -> Path:
+    if "home" in _chosen:
+        return _chosen["home"]
+    if os.environ.get("FRONTIER_HOME"):
+        return Path(os.environ["FRONTIER_HOME"]).expanduser().resolve()
+    return _CHECKOUT if IN_CHECKOUT else Path.home() / ".frontier"
+
+
+def data() -> Path:
+    if "data" in _chosen:
+        return _chosen["data"]
+    if os.environ.get("FRONTIER_DATA"):
+        return Path(os.environ["FRONTIER_DATA"]).expanduser().resolve()
+    return (_CHECKOUT.parent / "shared" / "data") if IN_CHECKOUT else home() / "data"
+
+
+def under_home(path: str | Path) -> Path:
+    """A relative path is taken from home; an absolute one is kept."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else home() / path
+
+
+def conf_dir() -> Path:
+    return _CHECKOUT / "conf" if IN_CHECKOUT else PACKAGE / "conf"
+
+
+def sweeps_dir() -> Path:
+    return _CHECKOUT / "sweeps" if IN_CHECKOUT else PACKAGE / "sweeps"
+
+
+def use(paths_cfg) -> None:
+    """Makes the composed config's `paths` the answer of home() and data() in this process."""
+    for key in ("home", "data"):
+        value = getattr(paths_cfg, key, None)
+        if value:
+            _chosen[key] = Path(value).expanduser().resolve()
+
+
+# ${frontier.home:} and ${frontier.data:} in conf/paths/default.yaml
+OmegaConf.register_new_resolver("frontier.home", lambda: str(home()), replace=True)
+OmegaConf.register_new_resolver("frontier.data", lambda: str(data()), replace=True)

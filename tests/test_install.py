@@ -1,0 +1,77 @@
+"""Frontier installed like any tool: a built wheel in a fresh venv, run from an unrelated directory."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SHARED
+
+SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=512", "data.tokenizer_train_chars=300000",
+         "eval.checkpoint_tokens=2048", "eval.final_tokens=4096", "budget.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A venv that sees this machine's packages (torch, Hydra, ...) but holds Frontier only as a wheel."""
+    if not (SHARED / "data").is_dir():
+        pytest.skip(f"shared data not found at {SHARED / 'data'}")
+    tmp = tmp_path_factory.mktemp("install")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp / "dist"), str(ROOT)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], check=True)
+    wheel = next((tmp / "dist").glob("frontier-*.whl"))
+    subprocess.run([str(tmp / "venv" / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True)
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FRONTIER_HOME", "FRONTIER_DATA")}
+    env.update(FRONTIER_HOME=str(tmp / "home"), FRONTIER_DATA=str(SHARED / "data"), PATH=f"{tmp / 'venv' / 'bin'}:{env['PATH']}")
+    return tmp, elsewhere, env
+
+
+def run(installed, *args, timeout=600):
+    tmp, elsewhere, env = installed
+    return subprocess.run(list(args), cwd=elsewhere, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_from_its_own_files(installed):
+    tmp = installed[0]
+    done = run(installed, "python", "-c", "import frontier; print(frontier.__file__)")
+    assert done.returncode == 0 and str(tmp / "venv") in done.stdout, done.stdout + done.stderr
+
+    done = run(installed, "frontier-train", "model=tiny", "--cfg", "job", "--resolve")
+    assert done.returncode == 0, done.stderr
+    assert f"path: {SHARED / 'data'}/text/wiki_en" in done.stdout
+    assert f"core_bundle: {SHARED / 'data'}/core" in done.stdout and "depth: 4" in done.stdout
+
+    done = run(installed, "frontier-train", *SMALL)
+    assert done.returncode == 0, done.stderr
+    summaries = list((tmp / "home" / "outputs").glob("*/*/summary.json"))
+    assert len(summaries) == 1 and json.loads(summaries[0].read_text())["status"] == "FINISHED"
+    assert (tmp / "home" / "mlruns" / "mlflow.db").is_file()  # the store under FRONTIER_HOME, not the cwd
+    assert not any(installed[1].iterdir())  # nothing written where the command ran
+
+
+@pytest.mark.slow
+def test_user_presets_from_a_directory_of_their_own(installed):
+    tmp = installed[0]
+    mine = tmp / "mine"
+    (mine / "model").mkdir(parents=True)
+    (mine / "sweep").mkdir()
+    (mine / "model" / "mini.yaml").write_text("defaults:\n  - tiny\n  - _self_\nname: mini\nd_model: 64\nn_head: 2\n")
+    (mine / "sweep" / "mine.yaml").write_text(
+        "name: mine\nn_trials: 1\npruner: none\nparams:\n  optim.matrix_lr: tag(log, interval(0.01, 0.05))\n")
+    done = run(installed, "frontier-train", f"hydra.searchpath=[file://{mine}]", "model=mini", "--cfg", "job")
+    assert done.returncode == 0 and "d_model: 64" in done.stdout, done.stderr
+
+    sweep_dir = tmp / "sweep"
+    done = run(installed, "frontier-train", "--multirun", f"hydra.searchpath=[file://{mine}]", "sweep=mine",
+               "model=mini", *SMALL[1:], "tracking.enabled=false", f"hydra.sweep.dir={sweep_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["status"] == "FINISHED" and summary["params"] > 0
+    assert (tmp / "home" / "mlruns" / "sweeps" / "mine.journal").is_file()
