@@ -27,7 +27,7 @@ NOMINAL_PEAK_FLOPS = {
 }
 
 # Measured matmul rates, once per machine, device, dtype, torch version and thread count.
-PEAK_CACHE = project_path(".cache") / "peak_flops.json"
+PEAK_CACHE: Path | None = None  # None: <home>/.cache/peak_flops.json (frontier/paths.py)
 MEASURE_SECONDS = 3.0  # long enough that one busy moment does not decide the figure
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -211,7 +211,7 @@ def matmul_rate(device: Device, precision: str, refresh: bool = False, cache: Pa
     One process measures while others wait on the lock (two measuring at once would disturb each
     other), and the file is replaced atomically so a reader never sees half of it.
     """
-    cache = cache or PEAK_CACHE
+    cache = cache or PEAK_CACHE or project_path(".cache") / "peak_flops.json"
     key = rate_key(device, precision)
     if not refresh and key in read_rates(cache):
         return read_rates(cache)[key]

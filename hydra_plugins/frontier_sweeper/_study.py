@@ -418,7 +418,8 @@ class Sweep:
         overrides = self.fixed + params
         extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
                  f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
-                 f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir))]
+                 f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
+                 *search_path_override(self.config)]
         if self.parent_run_id is not None:
             extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
         for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
@@ -585,6 +586,14 @@ class Sweep:
         self.ended.set()
         self.end_tracking(status, metrics, report["files"])
         return report
+
+
+def search_path_override(config: DictConfig) -> list[str]:
+    """Trials find the same user presets as the driver: its hydra.searchpath and --config-dir."""
+    found = list(config.hydra.searchpath)
+    found += [f"{source.schema}://{source.path}" for source in config.hydra.runtime.config_sources
+              if source.provider == "command-line"]
+    return ["hydra.searchpath=[" + ",".join(repr(entry) for entry in found) + "]"] if found else []
 
 
 def _terminate(signum, frame):
