@@ -15,7 +15,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from frontier import paths
+from frontier import paths, sizing  # noqa: F401  (sizing registers ${frontier.sized:...})
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the source tree (git tags); files go under paths.home()
 
