@@ -279,9 +279,14 @@ def log_to_mlflow(report: dict, raw) -> None:
     client.set_terminated(run.info.run_id)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m frontier.bench` and the `frontier-bench` command."""
     try:
         main(sys.argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    cli()

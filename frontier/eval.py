@@ -92,7 +92,8 @@ def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -
     return {"val_bpb": bpb, "val_tokens": tokens}
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m frontier.eval` and the `frontier-eval` command."""
     from frontier.core import CoreBundleError
     from frontier.data import DataError
 
@@ -101,3 +102,7 @@ if __name__ == "__main__":
     except (ConfigError, CoreBundleError, DataError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    cli()
