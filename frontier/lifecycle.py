@@ -123,9 +123,7 @@ class RunInfo:
 
 def for_run(run) -> list:
     """The sinks a run's config asks for, metrics file first: every point is on disk before it is sent."""
-    metrics = MetricsFile.for_run(run) if hasattr(MetricsFile, "for_run") else MetricsFile(
-        run.run_dir / "metrics.jsonl")
-    found = [metrics]
+    found = [MetricsFile.for_run(run)]  # drops what a killed launch logged after its resume point
     if run.config.tracking.enabled:
         from frontier.tracking import MlflowObserver
 
