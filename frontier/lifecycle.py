@@ -45,14 +45,19 @@ _lock = threading.Lock()
 _stop_reason: str | None = None
 _first_signal_at = -math.inf
 _deferring = False  # True while the training loop runs: signals wait for the step boundary
+_ending = False  # True while the terminal records are written: signals can no longer stop anything
+_handling = False  # True while _on_signal is installed (inside signals_handled)
 
 
 def request_stop(reason: str) -> None:
-    """Ends the running training loop KILLED with `reason` at its next step boundary (thread-safe)."""
+    """Ends the run KILLED with `reason` (thread-safe): the training loop at its next step boundary;
+    set-up or the final evaluation at once, as a signal would (there is no step to finish)."""
     global _stop_reason
     with _lock:
         if _stop_reason is None:
             _stop_reason = reason
+    if _handling and not _deferring and not _ending and threading.current_thread() is not threading.main_thread():
+        os.kill(os.getpid(), signal.SIGTERM)  # only the main thread can be interrupted: through its handler
 
 
 def stop_requested() -> str | None:
@@ -60,17 +65,22 @@ def stop_requested() -> str | None:
 
 
 def _reset() -> None:
-    global _stop_reason, _first_signal_at, _deferring
+    global _stop_reason, _first_signal_at, _deferring, _ending
     with _lock:
-        _stop_reason, _first_signal_at, _deferring = None, -math.inf, False
+        _stop_reason, _first_signal_at, _deferring, _ending = None, -math.inf, False, False
 
 
 def _on_signal(signum, frame) -> None:
     global _first_signal_at
     name = signal.Signals(signum).name
     now = time.monotonic()
+    if _ending:  # the records of the run's end are being written: let them finish
+        print(f"{name}: the run is already ending; its records are being written", file=sys.stderr, flush=True)
+        return
     if not _deferring:  # setting up or finishing: nothing to save at a step boundary
-        raise KeyboardInterrupt(f"interrupted by {name}")
+        reason = _stop_reason or f"interrupted by {name}"
+        print(f"{reason}: stopping now (no training step to finish)", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(reason)
     if now - _first_signal_at < ABORT_WINDOW:
         print(f"second signal ({name}): aborting at once; resume.pt keeps the last saved checkpoint",
               file=sys.stderr, flush=True)
@@ -81,6 +91,12 @@ def _on_signal(signum, frame) -> None:
           file=sys.stderr, flush=True)
 
 
+def closing() -> None:
+    """The run's end is being recorded: from here on a signal waits for those writes (see _on_signal)."""
+    global _ending
+    _ending = True
+
+
 @contextlib.contextmanager
 def signals_handled() -> Iterator[None]:
     """SIGTERM and SIGINT go through `_on_signal` for the duration of one train() call."""
@@ -88,10 +104,13 @@ def signals_handled() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may install handlers; request_stop still works
         return
+    global _handling
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _handling = True
     try:
         yield
     finally:
+        _handling = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -151,6 +170,7 @@ class Lifecycle:
         """The one terminal write: summary.json, then every sink's on_end, each guarded.
         Raises RunWriteError afterwards when summary.json could not be written."""
         assert status in TERMINAL, status
+        closing()
         self.status = status
         summary = self.info.summary
         summary["status"] = status

@@ -7,6 +7,7 @@ Exit codes: 0 finished (or pruned inside a sweep trial); 2 a user's mistake, one
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from frontier import cli, paths
-from frontier.config import ConfigError
+from frontier import cli, paths, sizing
+from frontier.config import ConfigError, project_path
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -32,11 +33,23 @@ def say(message: str) -> None:
 
 
 def check(cfg: DictConfig) -> None:
-    """Checked before Hydra writes anything: a local data.path must hold data (a resumed run reads its saved one)."""
-    if cfg.resume is None and cfg.data.source == "local":
+    """Checked before Hydra writes anything: where `resume=` points, that a local data.path holds data,
+    that data.cache_dir can be written, and that a tracking server answers (a resumed run reads its
+    saved config, checked when it starts)."""
+    if cfg.resume is not None:
+        from frontier.trainer import resume_location
+
+        resume_location(str(cfg.resume))
+        return
+    if cfg.data.source == "local":
         from frontier.data import resolve_splits
 
         resolve_splits(OmegaConf.to_object(cfg.data))
+    cli.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
+    if cfg.tracking.enabled and cfg.tracking.required:
+        from frontier.tracking import probe_server
+
+        probe_server(OmegaConf.to_object(cfg.tracking))
 
 
 @cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)
@@ -49,6 +62,9 @@ def main(cfg: DictConfig) -> float:
     if cfg.get("sweep") is not None and not multirun:
         print(f"warning: sweep={cfg.sweep.name} needs --multirun; training one run with the base config",
               file=sys.stderr)
+    sized = sizing.describe()
+    if sized and not multirun and cfg.resume is None and int(os.environ.get("RANK", "0")) == 0:
+        print(sized, file=sys.stderr)
     try:
         return train(cfg, Path(hydra_cfg.runtime.output_dir))
     except user_errors() as err:
@@ -64,6 +80,8 @@ def main(cfg: DictConfig) -> float:
     except KeyboardInterrupt:
         if multirun:
             raise
+        for sig in (signal.SIGTERM, signal.SIGINT):  # recorded already: a late signal must not turn 130 into 143
+            signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(130) from None  # recorded KILLED; resume.pt written at a step boundary
 
 

@@ -262,7 +262,8 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         reached = marks_reached(progress, eval_every)
         if reached > marks_reported:  # one evaluation, reported for each mark this step crossed
             bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
-            display.note(f"checkpoint {reached}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
+            marks = f"{reached}" if reached == marks_reported + 1 else f"s {marks_reported + 1}-{reached}"
+            display.note(f"checkpoint{marks}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
             stop = None
             try:
                 for k in range(marks_reported + 1, reached + 1):
@@ -307,13 +308,27 @@ def restore(run: Run, state: dict) -> None:
     run.tokens_seen = state["tokens_seen"]
 
 
+def resume_location(resume: str) -> Path | None:
+    """The run directory `resume=` names (None for an MLflow run id): checked without any store."""
+    run_dir = Path(resume).expanduser()
+    if MLFLOW_RUN_ID.fullmatch(str(resume)) and not run_dir.exists():
+        return None  # only a run id is looked up in the tracking store
+    if not run_dir.exists():
+        raise ConfigError(f"resume={resume} is not allowed: {run_dir} does not exist (give a run directory "
+                          "or an MLflow run id)")
+    if not run_dir.is_dir():
+        raise ConfigError(f"resume={resume} is not allowed: {run_dir} is not a run directory (give the folder "
+                          "holding resume.pt, or an MLflow run id)")
+    if not (run_dir / "resume.pt").is_file():
+        raise ConfigError(f"resume={resume} is not allowed: {run_dir / 'resume.pt'} does not exist (the run "
+                          "wrote no checkpoint yet, or it finished)")
+    return run_dir
+
+
 def resume_point(resume: str, tracking_cfg) -> tuple[DictConfig, Path, dict]:
     """The saved config, run directory and state of `resume=RUN_DIR_OR_MLFLOW_RUN_ID`."""
-    run_dir = Path(resume).expanduser()
-    if not run_dir.is_dir():
-        if not MLFLOW_RUN_ID.fullmatch(str(resume)):  # only a run id is looked up in the store
-            raise ConfigError(f"resume={resume} is not allowed: {run_dir} does not exist (give a run directory "
-                              "or an MLflow run id)")
+    run_dir = resume_location(resume)
+    if run_dir is None:
         from frontier.tracking import run_dir_of
 
         run_dir = run_dir_of(tracking_cfg, resume)
@@ -398,7 +413,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         display = RunDisplay(enabled=False, quiet=True)
     else:
         display = display or RunDisplay(enabled=sys.stderr.isatty())
-    run, status, error = None, "FAILED", None
+    run, status, error, trained = None, "FAILED", None, False
     try:
         run = setup(raw, run_dir, plan, summary)
         summary.update(describe(run))
@@ -415,6 +430,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
                 save_resume(run)
                 display.note(f"stopped at step {run.clock.steps} ({stopped}); continue with resume={run_dir}")
             raise lifecycle.Killed(stopped)
+        trained = True
         if run.config.compile_only:  # compiled and warmed up: nothing trained to evaluate
             summarize(run, None, 0)
             status = "COMPILED"
@@ -431,6 +447,8 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         raise
     except KeyboardInterrupt as err:  # a signal outside the loop, or a second one: no step boundary
         status, error = "KILLED", str(err) or "interrupted"
+        if trained and run.world.is_main:  # stopped in the final evaluation: resume= only evaluates again
+            save_resume(run)
         raise
     except lifecycle.RunWriteError as err:
         error = f"{error}; {err}" if status == "KILLED" else str(err)
@@ -439,6 +457,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         error = str(err) if isinstance(err, Diverged) else f"{type(err).__name__}: {err}"
         raise
     finally:
+        lifecycle.closing()
         if run is not None and status not in ("FINISHED", "COMPILED"):
             summarize(run, None, 0)
         try:
