@@ -17,6 +17,7 @@ import functools
 import os
 import re
 import sys
+import tempfile
 import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -373,14 +374,22 @@ def check_writable(cfg: DictConfig, key: str) -> None:
         path = Path(str(OmegaConf.select(cfg, key)))
     except Exception:  # it depends on values known only when the job starts
         return
+    check_writable_path(key, path)
+
+
+def check_writable_path(key: str, path: Path) -> None:
+    """A directory that can be created (or written to), found out leaving nothing behind: a folder
+    made and removed again in its nearest existing parent (permission bits alone mislead root)."""
     existing = path.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        reason = errno.ENOTDIR
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = errno.EACCES
+        reason = os.strerror(errno.ENOTDIR)
     else:
-        return
-    raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({os.strerror(reason)}); {existing} "
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".frontier-check-", dir=existing))
+            return
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+    raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({reason}); {existing} "
                       "is not a writable directory")

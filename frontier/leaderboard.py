@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 from mlflow import MlflowClient
 
-from frontier.config import TrackingConfig
-from frontier.tracking import RUN_KIND_TAG, sqlite_path, tracking_uri
+from frontier.config import ConfigError, TrackingConfig
+from frontier.tracking import RUN_KIND_TAG, _oneline, probe_server, sqlite_path, tracking_uri
 
 # Bookkeeping, not knobs: always differs between runs and says nothing about the result.
 IGNORED_PREFIXES = ("tracking.", "trial.")
@@ -136,11 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     if db is not None and not db.exists():  # do not create an empty store just to read it
         print(f"no MLflow store at {uri} yet: train a run first", file=sys.stderr)
         return 1
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(args.experiment)
+    try:
+        probe_server(SimpleNamespace(uri=uri))
+        client = MlflowClient(uri)
+        experiment = client.get_experiment_by_name(args.experiment)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # the store answered with an error: say which, in one line
+        print(f"error: tracking.uri={uri} could not be read ({_oneline(err)})", file=sys.stderr)
+        return 2
     if experiment is None:
-        print(f"no experiment named {args.experiment!r} in {uri}", file=sys.stderr)
-        return 1
+        print(f"error: experiment={args.experiment!r} is not allowed: no experiment of that name in {uri}",
+              file=sys.stderr)
+        return 2
     rows, note = rank(load_rows(client, experiment.experiment_id, args.budget), args.phase)
     what = "val_bpb" if args.phase == 1 else "the phase-2 score (0.5 norm val_bpb + 0.5 norm core)"
     print(f"{args.experiment}: {len(rows)} finished run(s) ranked by {what}"

@@ -43,6 +43,15 @@ def is_rdb(spec: str) -> bool:
     return "://" in spec
 
 
+def safe_storage(spec: str) -> str:
+    """The storage URL without its password, for logs and MLflow."""
+    if not is_rdb(spec):
+        return spec
+    from sqlalchemy.engine import make_url
+
+    return make_url(spec).render_as_string(hide_password=True)
+
+
 def _sqlalchemy_url(url: str) -> str:
     # SQLAlchemy 2.1 reads postgresql:// as psycopg 3; use psycopg2 where only that is installed
     if url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None \

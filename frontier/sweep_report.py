@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier.study import default_storage, is_rdb, open_storage  # noqa: E402
+from frontier.study import default_storage, is_rdb, open_storage, safe_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
@@ -256,12 +256,16 @@ def main(argv: list[str]) -> int:
     if not is_rdb(storage) and not Path(storage).expanduser().exists():
         print(f"error: storage={storage!r} does not exist: pass the sweep's sweep.storage", file=sys.stderr)
         return 2
-    opened = open_storage(storage)
     try:
+        opened = open_storage(storage)
         study = optuna.load_study(study_name=name, storage=opened)
     except KeyError:
         names = ", ".join(optuna.get_all_study_names(opened)) or "none"
         print(f"error: study={name!r} is not in {storage} (studies there: {names})", file=sys.stderr)
+        return 2
+    except Exception as err:  # an unreachable or unreadable storage
+        print(f"error: storage={safe_storage(storage)!r} is not reachable ({type(err).__name__}: "
+              f"{str(err).splitlines()[0] if str(err) else ''})", file=sys.stderr)
         return 2
     out = Path(args.get("out") or Path(study.user_attrs.get("sweep_dir", ".")) / "report")
     report = write_report(study, out)

@@ -106,6 +106,14 @@ def tracking_uri(tracking_cfg) -> str:
     return uri
 
 
+def probe_server(tracking_cfg) -> None:
+    """An HTTP tracking server must answer before anything is written (a database store is opened,
+    and created if need be, when the run starts)."""
+    uri = tracking_uri(tracking_cfg)
+    if _is_http(uri):
+        _probe(uri)
+
+
 def ensure_store(uri: str) -> None:
     """Make the store usable before any run writes to it.
 

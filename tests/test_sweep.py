@@ -239,6 +239,7 @@ def compose_sweep():
     (["sweep=lr", "sweep.storage=postgresql://nobody@127.0.0.1:1/none"], None,
      "sweep.storage='postgresql://nobody@127.0.0.1:1/none' is not reachable"),
     (["sweep=lr", "eval.every_fraction=0"], None, "sweep.pruner='hyperband' is not allowed with eval.every_fraction=0"),
+    (["sweep=custom"], None, "sweep=custom is not allowed without a search space"),
 ])
 def test_bad_input_is_one_clear_error(compose_sweep, overrides, params, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -247,9 +248,10 @@ def test_bad_input_is_one_clear_error(compose_sweep, overrides, params, message)
 
 @pytest.mark.parametrize("preset", sorted(path.stem for path in (ROOT / "sweeps").glob("*.yaml")))
 def test_every_preset_is_ready_to_run(compose_sweep, preset, tmp_path):
-    sweep = compose_sweep(f"sweep={preset}", f"sweep.storage={tmp_path / 'study.journal'}")
+    space = {"optim.matrix_lr": "interval(0.01, 0.1)"} if preset == "custom" else None  # custom has none of its own
+    sweep = compose_sweep(f"sweep={preset}", f"sweep.storage={tmp_path / 'study.journal'}", params=space)
     assert sweep.study.study_name == preset
-    assert preset == "custom" or sweep.space
+    assert sweep.space
 
 
 def test_bad_input_on_the_command_line_starts_no_trial(tmp_path):

@@ -33,8 +33,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from frontier.config import ConfigError, SweepConfig
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial, is_rdb,
-                            live_drivers, open_storage, outcome, read_summary, record_driver, settle_orphans,
-                            trial_seed)
+                            live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
+                            settle_orphans, trial_seed)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
@@ -208,20 +208,15 @@ def describe_exit(returncode: int, log_path: Path) -> str:
     return lines[-1] if lines else f"exit code {returncode}"
 
 
-def safe_storage(spec: str) -> str:
-    """The storage URL without its password, for logs and MLflow."""
-    if not is_rdb(spec):
-        return spec
-    from sqlalchemy.engine import make_url
-
-    return make_url(spec).render_as_string(hide_password=True)
-
-
 class Sweep:
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config = config
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
         self.space, self.fixed = parse(self.sweep.params, arguments)
+        if not self.space:  # every trial would be the same run
+            raise ConfigError(f"sweep={self.sweep.name} is not allowed without a search space: give one in the "
+                              "preset's params or on the command line, e.g. "
+                              "'optim.matrix_lr=tag(log, interval(0.01, 0.1))' or model=base,wide")
         self.objective = Objective(self.sweep, config.eval.core, config.eval.core_bundle, self.fixed)
         self.fixed += self.objective.trial_overrides(self.fixed)
         # a Hydra launcher other than the basic one runs each trial as its job (_launch.py)
