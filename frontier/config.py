@@ -285,7 +285,7 @@ class EvalConfig:
     final_tokens: int = 20_971_520  # tokens of the final evaluation (capped by the split)
     batch_rows: int = 8
     core: bool = False  # CORE after training, outside the budget
-    core_bundle: str = "${paths.data}/core"
+    core_bundle: str = "${oc.select:paths.data,${frontier.data:}}/core"  # paths.data, or frontier/paths.py alone
     core_max_per_task: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -442,8 +442,9 @@ def register_schemas() -> None:
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations and build the typed objects, running every range check."""
     check_keys(cfg)
+    if "paths" in cfg:  # before anything resolves: every default path (data, caches, the store) follows it
+        paths.use(cfg.paths)
     config = OmegaConf.to_object(cfg)
-    paths.use(config.paths)  # every later default path (caches, the MLflow store) follows the config
     return config  # type: ignore[return-value]
 
 

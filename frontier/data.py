@@ -57,7 +57,8 @@ def resolve_splits(cfg: DataConfig) -> tuple[Split, Split]:
         return _download_hub_shards(cfg)
     path = Path(cfg.path).expanduser()
     if not path.exists():
-        raise DataError(f"data.path={cfg.path!r} does not exist (resolved to {path.resolve()})")
+        raise DataError(f"data.path={cfg.path!r} does not exist (looked in {path.resolve()}); set data.path, "
+                        "or FRONTIER_DATA to the folder holding text/wiki_en")
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:
             raise DataError(f"data.path={cfg.path!r} is not allowed: {path} is not a data file; point it at a "

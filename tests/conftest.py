@@ -16,8 +16,10 @@ SHARED = ROOT.parent / "shared"
 WIKI = SHARED / "data" / "text" / "wiki_en"
 
 # A tiny model on the real Wikipedia shards: small vocab so the tokenizer trains in seconds.
+# The budget is pinned: the default is sized to the machine (phase1 on an accelerator, smoke on a CPU).
 FAST = [
     "model=tiny",
+    "budget=phase1",
     f"data.path={WIKI}",
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",

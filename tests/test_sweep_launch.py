@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import optuna
@@ -66,19 +67,33 @@ def test_submitit_local_trials_report_to_the_study_and_get_their_composite_value
     assert {"FRONTIER_SWEEP_DRIVER", "OMP_NUM_THREADS"} <= set(env_set)
 
 
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+
 @pytest.mark.slow
-def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path):
-    storage = str(tmp_path / "study.journal")
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, backend):
+    storage, name = str(tmp_path / "study.journal"), f"prune-{uuid.uuid4().hex[:8]}"
+    if backend == "postgresql":
+        storage = POSTGRES
+        try:
+            open_storage(storage)
+        except Exception as err:
+            pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
     # A finished trial far better than any tiny run: successive halving prunes the next at checkpoint 1.
-    study = optuna.create_study(study_name="prune", storage=open_storage(storage))
+    study = optuna.create_study(study_name=name, storage=open_storage(storage))
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, intermediate_values={1: 0.1, 2: 0.1, 3: 0.1},
                                  system_attrs={"completed_rung_0": 0.1, "completed_rung_1": 0.1}))
-    launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=successive_halving",
-                   "sweep.n_trials=2", f"sweep.storage={storage}", "sweep.study_name=prune")
-    trial = optuna.load_study(study_name="prune", storage=open_storage(storage)).trials[1]
-    assert trial.state == TrialState.PRUNED, trial.user_attrs
-    assert list(trial.intermediate_values) == [1]
-    assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
+    try:
+        launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=successive_halving",
+                       "sweep.n_trials=2", f"sweep.storage={storage}", f"sweep.study_name={name}")
+        trial = optuna.load_study(study_name=name, storage=open_storage(storage)).trials[1]
+        assert trial.state == TrialState.PRUNED, trial.user_attrs
+        assert list(trial.intermediate_values) == [1]
+        assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
+    finally:
+        if backend == "postgresql":
+            optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ WIKI = PROJECT_ROOT.parent / "shared" / "data" / "text" / "wiki_en"
 # A few steps of the tiny model: every hook fires (logs, one checkpoint, final eval) in seconds.
 FAST = [
     "model=tiny",
+    "budget=phase1",  # pinned: the default is sized to the machine
     f"data.path={WIKI}",
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",
