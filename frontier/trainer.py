@@ -262,7 +262,7 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         reached = marks_reached(progress, eval_every)
         if reached > marks_reported:  # one evaluation, reported for each mark this step crossed
             bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
-            marks = f"{reached}" if reached == marks_reported + 1 else f"s {marks_reported + 1}-{reached}"
+            marks = f" {reached}" if reached == marks_reported + 1 else f"s {marks_reported + 1}-{reached}"
             display.note(f"checkpoint{marks}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
             stop = None
             try:
