@@ -54,9 +54,11 @@ def request_stop(reason: str) -> None:
     set-up or the final evaluation at once, as a signal would (there is no step to finish)."""
     global _stop_reason
     with _lock:
-        if _stop_reason is None:
+        first = _stop_reason is None
+        if first:
             _stop_reason = reason
-    if _handling and not _deferring and not _ending and threading.current_thread() is not threading.main_thread():
+    if (first and _handling and not _deferring and not _ending
+            and threading.current_thread() is not threading.main_thread()):
         os.kill(os.getpid(), signal.SIGTERM)  # only the main thread can be interrupted: through its handler
 
 
