@@ -28,6 +28,14 @@ FAST = [
     "tracking.enabled=false",
 ]
 
+# A sweep's trials at their smallest: a few steps, checkpoints at quarters, CORE on two items a task.
+SWEEP_TINY = [
+    "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
+    "budget.seconds=60", "budget.max_steps=4", "budget.excluded_steps=0",
+    "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
+    "eval.every_fraction=0.25", "eval.core_max_per_task=2", "tracking.enabled=false",
+]
+
 register_schemas()
 
 

@@ -9,13 +9,13 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from frontier.config import ModelConfig, OptimConfig
 from frontier.model import GPT, Ops
 from kernels import head_loss as chunked
 from kernels import reference
 from tests.conftest import ROOT
+from tests.test_kernels import assert_matches
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
@@ -23,17 +23,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.i
 # base's shapes: d_model 640, 5 heads of 128, seq 1024, vocab 8192
 BASE = dict(depth=2, d_model=640, n_head=5, seq_len=1024)
 VOCAB = 8192
-
-
-def assert_matches(impl, ref, *inputs, atol, rtol, **kwargs):
-    """Same output and same input gradients under one random upstream gradient."""
-    expected = ref(*inputs, **kwargs)
-    got = impl(*inputs, **kwargs)
-    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
-    upstream = torch.randn_like(expected)
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    torch.testing.assert_close(torch.autograd.grad(got, leaves, upstream),
-                               torch.autograd.grad(expected, leaves, upstream), atol=atol, rtol=rtol)
 
 
 def head_inputs(rows, vocab, d, dtype=torch.float32):

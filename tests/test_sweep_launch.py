@@ -22,13 +22,7 @@ from hydra_plugins.frontier_sweeper._objective import composite
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
-    "budget.seconds=60", "budget.max_steps=4", "budget.excluded_steps=0",
-    "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
-    "eval.every_fraction=0.25", "eval.core_max_per_task=2", "tracking.enabled=false",
-]
+from tests.conftest import ROOT, SWEEP_TINY as TINY
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

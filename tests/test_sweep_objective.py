@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import optuna
 import pytest
@@ -20,13 +19,7 @@ from frontier.study import open_storage
 from frontier.sweep_report import curve, write_report
 from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
-    "budget.seconds=60", "budget.max_steps=4", "budget.excluded_steps=0",
-    "train.batch_tokens=2048", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
-    "eval.every_fraction=0.25", "eval.core_max_per_task=2", "tracking.enabled=false",
-]
+from tests.conftest import ROOT, SWEEP_TINY as TINY
 ANCHORS = {"name": "composite", "directions": ["minimize"], "val_bpb_anchors": [1.5, 0.8],
            "core_anchors": [0.0, 0.25]}
 

@@ -32,7 +32,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from frontier.config import ConfigError, SweepConfig
-from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial, is_rdb,
+from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, trial_seed)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
