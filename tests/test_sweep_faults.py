@@ -163,19 +163,23 @@ def test_a_trial_past_its_timeout_is_killed_and_failed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path):
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path, backend):
     from mlflow import MlflowClient
 
-    storage = str(tmp_path / "study.journal")
+    storage, name = str(tmp_path / "study.journal"), f"orphan-{uuid.uuid4().hex[:8]}"
+    if backend == "postgresql":
+        postgres_or_skip()
+        storage = POSTGRES
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=orphans",
             "sweep.n_trials=1", "sweep.heartbeat_interval=2", "sweep.grace_period=10", f"sweep.storage={storage}",
-            "sweep.study_name=orphan"]
+            f"sweep.study_name={name}"]
     driver = subprocess.Popen(driver_command(tmp_path / "first", *args), cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         # the driver is killed as soon as it has launched the trial: the trial is still starting up
-        trial = Process.parse(wait_for(lambda: trial_attr(storage, "orphan", "process"), 300, "the trial's launch"))
+        trial = Process.parse(wait_for(lambda: trial_attr(storage, name, "process"), 300, "the trial's launch"))
     finally:
         driver.kill()
         driver.wait()
@@ -186,7 +190,9 @@ def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_
     done = subprocess.run(driver_command(tmp_path / "second", *args), cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
-    (trial_0,) = load(storage, "orphan").get_trials(deepcopy=False)
+    (trial_0,) = load(storage, name).get_trials(deepcopy=False)
+    if backend == "postgresql":
+        optuna.delete_study(study_name=name, storage=open_storage(storage))
     assert trial_0.state == TrialState.FAIL
     assert "driver" in trial_0.user_attrs["fail_reason"] or "exited" in trial_0.user_attrs["fail_reason"]
     client = MlflowClient(uri)

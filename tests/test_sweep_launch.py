@@ -84,6 +84,7 @@ def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, bac
         trial = optuna.load_study(study_name=name, storage=open_storage(storage)).trials[1]
         assert trial.state == TrialState.PRUNED, trial.user_attrs
         assert list(trial.intermediate_values) == [1]
+        assert trial.user_attrs["checkpoint_fractions"]["1"] >= 0.25  # where it was measured, at or past the mark
         assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
     finally:
         if backend == "postgresql":
@@ -94,7 +95,8 @@ def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, bac
 def test_a_launched_trial_past_its_timeout_is_cancelled_and_recorded_with_why(tmp_path):
     storage = str(tmp_path / "study.journal")
     done = launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=none",
-                          "sweep.n_trials=1", "sweep.trial_timeout=2", f"sweep.storage={storage}",
+                          "sweep.n_trials=1", "sweep.trial_timeout=2", "budget.max_steps=100000",  # runs past it
+                          f"sweep.storage={storage}",
                           "sweep.study_name=slow")
     trial = optuna.load_study(study_name="slow", storage=open_storage(storage)).trials[0]
     assert trial.state == TrialState.FAIL, done.stdout[-3000:]

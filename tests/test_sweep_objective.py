@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 
 import optuna
 import pytest
@@ -136,17 +137,29 @@ def test_the_report_draws_the_pareto_front(tmp_path):
 # Through the command line
 
 
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+
 @pytest.mark.slow
-def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path):
-    storage = str(tmp_path / "study.journal")
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path, backend):
+    storage, name = str(tmp_path / "study.journal"), f"pareto-{uuid.uuid4().hex[:8]}"
+    if backend == "postgresql":
+        try:
+            open_storage(POSTGRES)
+        except Exception as err:
+            pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+        storage = POSTGRES
     done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr",
                            "sweep.sampler=random", "sweep.objective=pareto", "sweep.pruner=none",
-                           "sweep.n_trials=2", f"sweep.storage={storage}", "sweep.study_name=pareto",
+                           "sweep.n_trials=2", f"sweep.storage={storage}", f"sweep.study_name={name}",
                            f"hydra.sweep.dir={tmp_path / 'out'}"],
                           cwd=ROOT, text=True, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode == 0, done.stdout[-3000:]
-    study = optuna.load_study(study_name="pareto", storage=open_storage(storage))
+    study = optuna.load_study(study_name=name, storage=open_storage(storage))
     trials = study.get_trials(deepcopy=False)
+    if backend == "postgresql":
+        optuna.delete_study(study_name=name, storage=open_storage(storage))
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
     for t in trials:
         assert t.values == [t.user_attrs["val_bpb"], t.user_attrs["core"]]

@@ -518,7 +518,7 @@ def test_leaderboard_orders_runs_and_shows_differences(tmp_path, store, capsys):
     assert [line.split()[1] for line in body] == ["baseline", "deeper"]
     assert body[0].split()[2] == "0.567"
 
-    assert leaderboard.main([f"tracking.uri={uri}", "experiment=missing"]) == 1
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=missing"]) == 2  # a mistake: one sentence
     assert leaderboard.main(["depth"]) == 2
 
 
