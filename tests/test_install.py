@@ -44,8 +44,9 @@ def test_the_wheel_runs_from_its_own_files(installed):
 
     done = run(installed, "frontier-train", "model=tiny", "--cfg", "job", "--resolve")
     assert done.returncode == 0, done.stderr
-    assert f"path: {SHARED / 'data'}/text/wiki_en" in done.stdout
-    assert f"core_bundle: {SHARED / 'data'}/core" in done.stdout and "depth: 4" in done.stdout
+    data = (SHARED / "data").resolve()  # FRONTIER_DATA is resolved, links included
+    assert f"path: {data}/text/wiki_en" in done.stdout
+    assert f"core_bundle: {data}/core" in done.stdout and "depth: 4" in done.stdout
 
     done = run(installed, "frontier-train", *SMALL)
     assert done.returncode == 0, done.stderr
