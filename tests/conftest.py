@@ -36,6 +36,19 @@ SWEEP_TINY = [
     "eval.every_fraction=0.25", "eval.core_max_per_task=2", "tracking.enabled=false",
 ]
 
+# The multi-machine Optuna storage of the test machines (trust auth); tests skip, saying why, without it.
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def postgres_or_skip():
+    from frontier.study import open_storage
+
+    try:
+        return open_storage(POSTGRES)
+    except Exception as err:
+        pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+
+
 register_schemas()
 
 

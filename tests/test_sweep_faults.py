@@ -19,9 +19,9 @@ import pytest
 from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
+from tests.conftest import POSTGRES, postgres_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 TINY = ["model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
         "budget.excluded_steps=0", "train.batch_tokens=2048", "eval.checkpoint_tokens=2048",
         "eval.final_tokens=4096", "eval.every_fraction=0.25"]
@@ -108,13 +108,6 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
 
 # -----------------------------------------------------------------------------
 # Supervised trials
-
-
-def postgres_or_skip():
-    try:
-        return open_storage(POSTGRES)
-    except Exception as err:
-        pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
 
 
 @pytest.mark.slow

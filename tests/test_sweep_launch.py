@@ -22,7 +22,7 @@ from hydra_plugins.frontier_sweeper._objective import composite
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
 
-from tests.conftest import ROOT, SWEEP_TINY as TINY
+from tests.conftest import POSTGRES, ROOT, SWEEP_TINY as TINY, postgres_or_skip
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -61,19 +61,13 @@ def test_submitit_local_trials_report_to_the_study_and_get_their_composite_value
     assert {"FRONTIER_SWEEP_DRIVER", "OMP_NUM_THREADS"} <= set(env_set)
 
 
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["journal", "postgresql"])
 def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, backend):
     storage, name = str(tmp_path / "study.journal"), f"prune-{uuid.uuid4().hex[:8]}"
     if backend == "postgresql":
+        postgres_or_skip()
         storage = POSTGRES
-        try:
-            open_storage(storage)
-        except Exception as err:
-            pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
     # A finished trial far better than any tiny run: successive halving prunes the next at checkpoint 1.
     study = optuna.create_study(study_name=name, storage=open_storage(storage))
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, intermediate_values={1: 0.1, 2: 0.1, 3: 0.1},

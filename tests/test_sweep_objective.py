@@ -20,7 +20,7 @@ from frontier.study import open_storage
 from frontier.sweep_report import curve, write_report
 from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
 
-from tests.conftest import ROOT, SWEEP_TINY as TINY
+from tests.conftest import POSTGRES, ROOT, SWEEP_TINY as TINY, postgres_or_skip
 ANCHORS = {"name": "composite", "directions": ["minimize"], "val_bpb_anchors": [1.5, 0.8],
            "core_anchors": [0.0, 0.25]}
 
@@ -137,18 +137,12 @@ def test_the_report_draws_the_pareto_front(tmp_path):
 # Through the command line
 
 
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["journal", "postgresql"])
 def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path, backend):
     storage, name = str(tmp_path / "study.journal"), f"pareto-{uuid.uuid4().hex[:8]}"
     if backend == "postgresql":
-        try:
-            open_storage(POSTGRES)
-        except Exception as err:
-            pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+        postgres_or_skip()
         storage = POSTGRES
     done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr",
                            "sweep.sampler=random", "sweep.objective=pareto", "sweep.pruner=none",
