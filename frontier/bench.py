@@ -9,6 +9,7 @@ the matmul rate a step reaches) and the speed-ups stay fair on a machine other j
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class BenchConfig:
     ops: bool = True  # also time each op's implementations against the reference
     output: Optional[str] = None  # write the rows as JSON here
     mlflow: bool = False  # log the figures as an MLflow run (experiment "bench")
+    profile: int = 0  # > 0: after timing, profile one more step and print its top this-many ops
 
 
 class RandomRows:
@@ -72,17 +74,17 @@ def cpu_matmul_rate(dtype: torch.dtype, seconds: float = 1.0) -> float:
     up to 2048², timed over `seconds`: what a CPU step's FLOPs per CPU-second are compared with."""
     size = 256
     while True:  # the largest size whose matmul takes under a twentieth of `seconds`
-        a = torch.randn(size, size, dtype=dtype)
-        a @ a
+        a, out = torch.randn(size, size, dtype=dtype), torch.empty(size, size, dtype=dtype)
+        torch.mm(a, a, out=out)
         start = time.process_time()
-        a @ a
+        torch.mm(a, a, out=out)  # into one buffer, so the figure holds no allocation
         if size >= 2048 or time.process_time() - start > seconds / 20:
             break
         size *= 2
     best, spent = float("inf"), 0.0
     while spent < seconds:
         start = time.process_time()
-        a @ a
+        torch.mm(a, a, out=out)
         took = time.process_time() - start
         best, spent = min(best, took), spent + max(took, 1e-3)
     return 2 * size ** 3 / max(best, 1e-9)
@@ -109,15 +111,38 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     for _ in range(bench.warmup):
         train_step(run)
     device.synchronize()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(bench.steps):
+    walls, cpus = [], []
+    for _ in range(bench.steps):  # each step on its own: the median is not moved by one slow moment
+        start, cpu_start = time.perf_counter(), time.process_time()
         train_step(run)
-    device.synchronize()
-    seconds = (time.perf_counter() - start) / bench.steps
-    return {"tokens_per_second": config.train.batch_tokens / seconds, "step_seconds": seconds,
-            "cpu_seconds_per_step": (time.process_time() - cpu_start) / bench.steps,
+        device.synchronize()
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu_start)
+    seconds = statistics.median(walls)
+    profile = profile_step(run, bench.profile) if bench.profile > 0 else []
+    return {"profile": profile, "tokens_per_second": config.train.batch_tokens / seconds, "step_seconds": seconds,
+            "cpu_seconds_per_step": statistics.median(cpus),
             "params": model.num_params()["total"], "flops_per_token": model.flops_per_token(),
             "batch_tokens": config.train.batch_tokens, "device": device, "nominal_peak": device.nominal_peak_flops()}
+
+
+def profile_step(run, top: int) -> list[dict]:
+    """One more training step under torch.profiler: the ops with the most self time (CPU time on a
+    CPU, device time on an accelerator), each with its share of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from frontier.trainer import train_step
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.kind == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train_step(run)
+        run.device.synchronize()
+    attr = "self_device_time_total" if run.device.kind == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"op": e.key, "seconds": getattr(e, attr) / 1e6, "share": getattr(e, attr) / total, "calls": e.count}
+            for e in events[:top]]
 
 
 def op_inputs(op: str, rows: int, seq: int, d_model: int, n_head: int, vocab: int, device: torch.device):
@@ -220,6 +245,7 @@ def main(argv: list[str]) -> dict:
                 "matmul_cpu_flops": cpu_rates.get(precision), "cpu_capability": capability,
                 "params": figures["params"], "flops_per_token": figures["flops_per_token"],
                 "batch_tokens": figures["batch_tokens"], "precision": figures["device"].precision, **rates,
+                "profile": figures["profile"],
             })
     for row in rows:  # each kernel against the reference of the same model, measured in this process
         base = next((r for r in rows if r["model"] == row["model"] and r["kernel"] == "reference"), None)
@@ -239,6 +265,14 @@ def main(argv: list[str]) -> dict:
                       f"{r['mfu_nominal']:.1%}" if r["mfu_nominal"] is not None else "n/a",
                       f"{r['mfu_measured']:.1%}")
     console.print(table)
+    for r in rows:
+        if r["profile"]:
+            table = Table(title=f"where one step's time goes: model={r['model']} kernel={r['kernel']} (self time)")
+            for column in ("op", "calls", "s", "share"):
+                table.add_column(column, justify="right")
+            for o in r["profile"]:
+                table.add_row(o["op"], str(o["calls"]), f"{o['seconds']:.3f}", f"{o['share']:.1%}")
+            console.print(table)
 
     ops = time_ops(first) if bench.ops else []
     if ops:

@@ -173,13 +173,12 @@ def measure_matmul_flops(device: Device, size: int | None = None, dtype: torch.d
     """
     dtype = dtype or device.autocast_dtype or torch.float32
 
-    def operands(n):
-        return (torch.randn(n, n, device=device.torch_device, dtype=dtype),
-                torch.randn(n, n, device=device.torch_device, dtype=dtype))
+    def operands(n):  # the product goes into one buffer, so the figure holds no allocation
+        return [torch.randn(n, n, device=device.torch_device, dtype=dtype) for _ in range(3)]
 
-    def timed(a, b) -> float:
+    def timed(a, b, out) -> float:
         start = time.perf_counter()
-        a @ b
+        torch.mm(a, b, out=out)
         device.synchronize()
         return time.perf_counter() - start
 
@@ -187,21 +186,24 @@ def measure_matmul_flops(device: Device, size: int | None = None, dtype: torch.d
         largest = 2048 if device.kind == "cpu" else 8192
         size = 256
         while size < largest:
-            a, b = operands(size)
-            timed(a, b)  # warm up this size
-            if timed(a, b) > seconds / 20:
+            mats = operands(size)
+            timed(*mats)  # warm up this size
+            if timed(*mats) > seconds / 20:
                 break
             size *= 2
-    a, b = operands(size)
-    timed(a, b)
+    mats = operands(size)
+    timed(*mats)
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
-        best = min(best, timed(a, b))
+        best = min(best, timed(*mats))
     return 2 * size**3 / best
 
 
 def rate_key(device: Device, precision: str) -> str:
-    return (f"{socket.gethostname()} | {device.name} | {precision} | torch {torch.__version__} | "
+    # The capability is part of the key: ATEN_CPU_CAPABILITY (with MKL_ENABLE_INSTRUCTIONS and
+    # ONEDNN_MAX_CPU_ISA) makes one CPU behave like an older one, at another matmul rate.
+    capability = f" | {torch.backends.cpu.get_cpu_capability()}" if device.kind == "cpu" else ""
+    return (f"{socket.gethostname()} | {device.name}{capability} | {precision} | torch {torch.__version__} | "
             f"{torch.get_num_threads()} threads")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 IGNORE = -1
 # fp32 logits per chunk: 16 MiB, 512 rows of an 8k vocabulary. Each chunk adds a whole (vocab x d)
@@ -53,20 +52,21 @@ def torch_row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, sc
     return _finish_grad(grad, t, targets, scale)
 
 
-def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch_row_loss and torch_row_grad in one pass over the chunk. Overwrites z.
+def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, softcap: float | None,
+                        work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_row_loss and torch_row_grad in one pass over the chunk. Overwrites z; the gradient is
+    made in `work`, a buffer of z's shape.
 
     The chunk is memory-bound, so this makes as few passes over it as it can: one buffer of
     exponentials becomes the gradient in place, normalised in the same pass that scales it."""
     if softcap is not None:
         t = z.mul_(1 / softcap).tanh_()  # logits = softcap * t
         top = t.amax(dim=-1)
-        probs = (t - top.unsqueeze(1)).mul_(softcap).exp_()  # exp(logit - max logit)
+        probs = torch.sub(t, top.unsqueeze(1), out=work).mul_(softcap).exp_()  # exp(logit - max logit)
         top = top * softcap
     else:
         t, top = None, z.amax(dim=-1)
-        probs = (z - top.unsqueeze(1)).exp_()
+        probs = torch.sub(z, top.unsqueeze(1), out=work).exp_()
     total = probs.sum(dim=-1)
     lse = top + total.log()
     index = targets.clamp(min=0).unsqueeze(1)
@@ -98,6 +98,18 @@ def _accumulate(dw: torch.Tensor | None, g: torch.Tensor, xc: torch.Tensor) -> t
     return dw.add_(g.t() @ xc)
 
 
+def _logits(xc: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """xc @ w.T as fp32, written into `buffer` (one per call, reused by every chunk: on a CPU a fresh
+    chunk-sized tensor costs as much in page faults as the arithmetic on it)."""
+    if w.dtype == torch.float32:
+        return torch.mm(xc, w.t(), out=buffer)
+    return buffer.copy_(torch.mm(xc, w.t()))
+
+
+def _chunk_buffer(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    return torch.empty(min(chunk_rows, x.size(0)), weight.size(0), dtype=torch.float32, device=x.device)
+
+
 def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -127,16 +139,19 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
             w = weight.to(dtype)
             scale = _row_scale(targets, reduction) if grads_now else None
             losses, lses, dxs, dw = [], [], [], None
+            logits = _chunk_buffer(x, weight, chunk_rows)
+            work = torch.empty_like(logits) if grads_now else None
             with torch.autocast(x.device.type, enabled=False):
                 for start in range(0, x.size(0), chunk_rows):
                     rows = slice(start, start + chunk_rows)
                     xc = x[rows].to(dtype)
-                    z = F.linear(xc, w).float()
+                    n = xc.size(0)
+                    z = _logits(xc, w, logits[:n])
                     if not grads_now:
                         loss, lse = row_loss(z, targets[rows], softcap)
                         lses.append(lse)
                     else:
-                        loss, _, g = row_loss_grad(z, targets[rows], scale[rows], softcap)
+                        loss, _, g = row_loss_grad(z, targets[rows], scale[rows], softcap, work[:n])
                         g = g.to(dtype)
                         dxs.append((g @ w).to(x.dtype))
                         dw = _accumulate(dw, g, xc)
@@ -162,11 +177,13 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
             scale = _row_scale(targets, ctx.reduction, grad)
             w = weight.to(ctx.dtype)
             dxs, dw = [], None
+            logits = _chunk_buffer(x, weight, ctx.chunk_rows)
             with torch.autocast(x.device.type, enabled=False):
                 for start in range(0, x.size(0), ctx.chunk_rows):
                     rows = slice(start, start + ctx.chunk_rows)
                     xc = x[rows].to(ctx.dtype)
-                    g = row_grad(F.linear(xc, w).float(), targets[rows], lse[rows], scale[rows], ctx.softcap)
+                    z = _logits(xc, w, logits[:xc.size(0)])
+                    g = row_grad(z, targets[rows], lse[rows], scale[rows], ctx.softcap)
                     g = g.to(ctx.dtype)
                     if ctx.needs_input_grad[0]:
                         dxs.append((g @ w).to(x.dtype))

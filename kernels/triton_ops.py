@@ -146,8 +146,9 @@ def _row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: 
     return z
 
 
-def _row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, softcap: float | None,
+                   work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    del work  # the kernel makes the gradient in z itself
     loss = torch.empty(z.size(0), dtype=torch.float32, device=z.device)
     lse = torch.empty_like(loss)
     _launch_cross_entropy(z, targets, lse, scale.contiguous(), softcap, loss)

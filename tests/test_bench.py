@@ -10,7 +10,7 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
-         "bench.warmup=1", "bench.steps=1", f"bench.output={out}", "train.batch_tokens=512",
+         "bench.warmup=1", "bench.steps=1", "bench.profile=5", f"bench.output={out}", "train.batch_tokens=512",
          "train.device_batch_rows=2", "data.vocab_size=1024"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "COLUMNS": "200"})  # wide enough that no column header wraps
@@ -26,6 +26,12 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     assert row["model"] == "tiny" and row["kernel"] == "reference" and row["tokens_per_second"] > 0
     assert row["mfu_nominal"] is None  # a CPU has no published peak; MFU is against the measured rate
     assert 0 < row["mfu_measured"] < 1
+    # bench.profile: one more step under torch.profiler, its top ops by self time
+    assert "where one step's time goes: model=tiny kernel=reference" in result.stdout
+    assert len(row["profile"]) == 5
+    shares = [o["share"] for o in row["profile"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
+    assert any(o["op"] in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm") for o in row["profile"])
 
 
 def test_bench_rejects_an_unknown_key():

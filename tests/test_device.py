@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +132,13 @@ def test_an_mfu_above_one_always_carries_a_note():
     assert note.startswith("mfu 3.70 > 1: the peak it is taken against (measured 2026-01-02 03:04 UTC, "
                            "load average 24.0) looks too low")
     assert "python -m frontier.bench" in note
+
+
+def test_the_cached_matmul_rate_is_per_cpu_capability():
+    # ATEN_CPU_CAPABILITY=avx2 makes an AVX-512 CPU run torch's AVX2 kernels: another rate, another entry
+    code = ("from frontier.device import rate_key, resolve_device; "
+            "print(rate_key(resolve_device('cpu', 'fp32'), 'fp32'))")
+    keys = {cap: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                env={**os.environ, "ATEN_CPU_CAPABILITY": cap}, timeout=120).stdout
+            for cap in ("avx2", "default")}
+    assert "| AVX2 |" in keys["avx2"] and "| DEFAULT |" in keys["default"]
