@@ -267,7 +267,7 @@ def main(argv: list[str]) -> dict:
     console.print(table)
     for r in rows:
         if r["profile"]:
-            table = Table(title=f"where one step's time goes: model={r['model']} kernel={r['kernel']} (self time)")
+            table = Table(title=f"top ops of one step, {r['model']} {r['kernel']} (self time)")
             for column in ("op", "calls", "s", "share"):
                 table.add_column(column, justify="right")
             for o in r["profile"]:

@@ -53,9 +53,9 @@ def torch_row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, sc
 
 
 def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, softcap: float | None,
-                        work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        work: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch_row_loss and torch_row_grad in one pass over the chunk. Overwrites z; the gradient is
-    made in `work`, a buffer of z's shape.
+    made in `work` (a buffer of z's shape) or, without one, in a new tensor.
 
     The chunk is memory-bound, so this makes as few passes over it as it can: one buffer of
     exponentials becomes the gradient in place, normalised in the same pass that scales it."""
@@ -98,16 +98,26 @@ def _accumulate(dw: torch.Tensor | None, g: torch.Tensor, xc: torch.Tensor) -> t
     return dw.add_(g.t() @ xc)
 
 
-def _logits(xc: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """xc @ w.T as fp32, written into `buffer` (one per call, reused by every chunk: on a CPU a fresh
-    chunk-sized tensor costs as much in page faults as the arithmetic on it)."""
+def _logits(xc: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """xc @ w.T as fp32, written into `buffer` where there is one (see _chunk_buffer)."""
+    if buffer is None:
+        return torch.mm(xc, w.t()).float()
     if w.dtype == torch.float32:
         return torch.mm(xc, w.t(), out=buffer)
     return buffer.copy_(torch.mm(xc, w.t()))
 
 
-def _chunk_buffer(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+def _chunk_buffer(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor | None:
+    """One fp32 chunk of logits, reused by every chunk of a call: on a CPU a fresh chunk-sized tensor
+    costs as much in page faults as the arithmetic on it. None under torch.compile, which plans its
+    own buffers (its AVX2 code crashed writing into a reused one)."""
+    if torch.compiler.is_compiling():
+        return None
     return torch.empty(min(chunk_rows, x.size(0)), weight.size(0), dtype=torch.float32, device=x.device)
+
+
+def _first(buffer: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if buffer is None else buffer[:rows]
 
 
 def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -140,18 +150,18 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
             scale = _row_scale(targets, reduction) if grads_now else None
             losses, lses, dxs, dw = [], [], [], None
             logits = _chunk_buffer(x, weight, chunk_rows)
-            work = torch.empty_like(logits) if grads_now else None
+            work = torch.empty_like(logits) if grads_now and logits is not None else None
             with torch.autocast(x.device.type, enabled=False):
                 for start in range(0, x.size(0), chunk_rows):
                     rows = slice(start, start + chunk_rows)
                     xc = x[rows].to(dtype)
                     n = xc.size(0)
-                    z = _logits(xc, w, logits[:n])
+                    z = _logits(xc, w, _first(logits, n))
                     if not grads_now:
                         loss, lse = row_loss(z, targets[rows], softcap)
                         lses.append(lse)
                     else:
-                        loss, _, g = row_loss_grad(z, targets[rows], scale[rows], softcap, work[:n])
+                        loss, _, g = row_loss_grad(z, targets[rows], scale[rows], softcap, _first(work, n))
                         g = g.to(dtype)
                         dxs.append((g @ w).to(x.dtype))
                         dw = _accumulate(dw, g, xc)
@@ -182,7 +192,7 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
                 for start in range(0, x.size(0), ctx.chunk_rows):
                     rows = slice(start, start + ctx.chunk_rows)
                     xc = x[rows].to(ctx.dtype)
-                    z = _logits(xc, w, logits[:xc.size(0)])
+                    z = _logits(xc, w, _first(logits, xc.size(0)))
                     g = row_grad(z, targets[rows], lse[rows], scale[rows], ctx.softcap)
                     g = g.to(ctx.dtype)
                     if ctx.needs_input_grad[0]:
