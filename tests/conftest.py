@@ -1,9 +1,11 @@
 """Shared helpers: compose configs with Hydra's compose API and shrink them for the CPU."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,22 @@ def postgres_or_skip():
         return open_storage(POSTGRES)
     except Exception as err:
         pytest.skip(f"no PostgreSQL server at {POSTGRES} ({type(err).__name__})")
+
+
+@pytest.fixture(params=["journal", "postgresql"])
+def shared_study(request, tmp_path):
+    """(storage, study name) on each storage that drivers on several machines can share: a journal
+    file, and PostgreSQL (skipped, saying why, where no server answers; the study is deleted after)."""
+    import optuna
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    if request.param == "journal":
+        yield str(tmp_path / "study.journal"), name
+        return
+    storage = postgres_or_skip()
+    yield POSTGRES, name
+    with contextlib.suppress(KeyError):  # a test that failed before its study was made
+        optuna.delete_study(study_name=name, storage=storage)
 
 
 register_schemas()

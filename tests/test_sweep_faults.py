@@ -111,12 +111,8 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
-def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, backend):
-    storage, name = str(tmp_path / "study.journal"), f"silent-{uuid.uuid4().hex[:8]}"
-    if backend == "postgresql":
-        postgres_or_skip()
-        storage = POSTGRES
+def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, shared_study):
+    storage, name = shared_study
     driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
                                              "sweep.heartbeat_interval=1", "sweep.grace_period=6",
                                              f"sweep.storage={storage}", f"sweep.study_name={name}"),
@@ -137,8 +133,6 @@ def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, backend):
         assert gone(trial)
     finally:
         driver.kill()
-        if backend == "postgresql":
-            optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
 @pytest.mark.slow
@@ -156,14 +150,10 @@ def test_a_trial_past_its_timeout_is_killed_and_failed(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
-def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path, backend):
+def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path, shared_study):
     from mlflow import MlflowClient
 
-    storage, name = str(tmp_path / "study.journal"), f"orphan-{uuid.uuid4().hex[:8]}"
-    if backend == "postgresql":
-        postgres_or_skip()
-        storage = POSTGRES
+    storage, name = shared_study
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=orphans",
             "sweep.n_trials=1", "sweep.heartbeat_interval=2", "sweep.grace_period=10", f"sweep.storage={storage}",
@@ -184,8 +174,6 @@ def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     (trial_0,) = load(storage, name).get_trials(deepcopy=False)
-    if backend == "postgresql":
-        optuna.delete_study(study_name=name, storage=open_storage(storage))
     assert trial_0.state == TrialState.FAIL
     assert "driver" in trial_0.user_attrs["fail_reason"] or "exited" in trial_0.user_attrs["fail_reason"]
     client = MlflowClient(uri)

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import optuna
@@ -22,7 +21,7 @@ from hydra_plugins.frontier_sweeper._objective import composite
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
 
-from tests.conftest import POSTGRES, ROOT, SWEEP_TINY as TINY, postgres_or_skip
+from tests.conftest import ROOT, SWEEP_TINY as TINY
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -62,27 +61,19 @@ def test_submitit_local_trials_report_to_the_study_and_get_their_composite_value
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
-def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, backend):
-    storage, name = str(tmp_path / "study.journal"), f"prune-{uuid.uuid4().hex[:8]}"
-    if backend == "postgresql":
-        postgres_or_skip()
-        storage = POSTGRES
+def test_submitit_local_trial_is_pruned_through_the_shared_storage(tmp_path, shared_study):
+    storage, name = shared_study
     # A finished trial far better than any tiny run: successive halving prunes the next at checkpoint 1.
     study = optuna.create_study(study_name=name, storage=open_storage(storage))
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, intermediate_values={1: 0.1, 2: 0.1, 3: 0.1},
                                  system_attrs={"completed_rung_0": 0.1, "completed_rung_1": 0.1}))
-    try:
-        launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=successive_halving",
-                       "sweep.n_trials=2", f"sweep.storage={storage}", f"sweep.study_name={name}")
-        trial = optuna.load_study(study_name=name, storage=open_storage(storage)).trials[1]
-        assert trial.state == TrialState.PRUNED, trial.user_attrs
-        assert list(trial.intermediate_values) == [1]
-        assert trial.user_attrs["checkpoint_fractions"]["1"] >= 0.25  # where it was measured, at or past the mark
-        assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
-    finally:
-        if backend == "postgresql":
-            optuna.delete_study(study_name=name, storage=open_storage(storage))
+    launched_sweep(tmp_path / "out", "sweep=lr", "sweep.sampler=random", "sweep.pruner=successive_halving",
+                   "sweep.n_trials=2", f"sweep.storage={storage}", f"sweep.study_name={name}")
+    trial = optuna.load_study(study_name=name, storage=open_storage(storage)).trials[1]
+    assert trial.state == TrialState.PRUNED, trial.user_attrs
+    assert list(trial.intermediate_values) == [1]
+    assert trial.user_attrs["checkpoint_fractions"]["1"] >= 0.25  # where it was measured, at or past the mark
+    assert trial.user_attrs["prune_reason"].startswith("pruned at checkpoint 1")
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-import uuid
 
 import optuna
 import pytest
@@ -20,7 +19,7 @@ from frontier.study import open_storage
 from frontier.sweep_report import curve, write_report
 from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
 
-from tests.conftest import POSTGRES, ROOT, SWEEP_TINY as TINY, postgres_or_skip
+from tests.conftest import ROOT, SWEEP_TINY as TINY
 ANCHORS = {"name": "composite", "directions": ["minimize"], "val_bpb_anchors": [1.5, 0.8],
            "core_anchors": [0.0, 0.25]}
 
@@ -138,12 +137,8 @@ def test_the_report_draws_the_pareto_front(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
-def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path, backend):
-    storage, name = str(tmp_path / "study.journal"), f"pareto-{uuid.uuid4().hex[:8]}"
-    if backend == "postgresql":
-        postgres_or_skip()
-        storage = POSTGRES
+def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path, shared_study):
+    storage, name = shared_study
     done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr",
                            "sweep.sampler=random", "sweep.objective=pareto", "sweep.pruner=none",
                            "sweep.n_trials=2", f"sweep.storage={storage}", f"sweep.study_name={name}",
@@ -152,8 +147,6 @@ def test_pareto_sweep_records_val_bpb_and_core_and_draws_the_front(tmp_path, bac
     assert done.returncode == 0, done.stdout[-3000:]
     study = optuna.load_study(study_name=name, storage=open_storage(storage))
     trials = study.get_trials(deepcopy=False)
-    if backend == "postgresql":
-        optuna.delete_study(study_name=name, storage=open_storage(storage))
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
     for t in trials:
         assert t.values == [t.user_attrs["val_bpb"], t.user_attrs["core"]]
