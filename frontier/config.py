@@ -444,8 +444,7 @@ def to_config(cfg: DictConfig) -> Config:
     check_keys(cfg)
     if "paths" in cfg:  # before anything resolves: every default path (data, caches, the store) follows it
         paths.use(cfg.paths)
-    config = OmegaConf.to_object(cfg)
-    return config  # type: ignore[return-value]
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def check_keys(cfg: DictConfig, path: str = "") -> None:

@@ -70,7 +70,6 @@ class LaunchedTrials:
                                   f"({str(err).strip().splitlines()[0]}): run the sweep on a machine of "
                                   "the cluster, or use hydra/launcher=basic") from None
         self.lock = threading.Lock()
-        self.jobs: set = set()  # submitit jobs still running
         self.cancelled = False
 
     def run(self, overrides: list[str], number: int, run_dir: Path, env: dict[str, str],
@@ -103,7 +102,6 @@ class LaunchedTrials:
                 raise RuntimeError("interrupted before it was submitted")
             job = executor.submit(self.launcher, overrides, "hydra.sweep.dir", number, f"job_id_for_{number}",
                                   Singleton.get_state())
-            self.jobs.add(job)
         log.info(f"trial {number} is {self.name} job {job.job_id}")
         cancelled_at = None
         try:
@@ -118,8 +116,6 @@ class LaunchedTrials:
                 time.sleep(1.0)
             return job.result()
         finally:
-            with self.lock:
-                self.jobs.discard(job)
             for path in (job.paths.stdout, job.paths.stderr):  # one log per trial, as the built-in workers write
                 if path.exists():
                     _append(output, path.read_text(errors="replace"))
