@@ -25,7 +25,7 @@ from rich.table import Table
 
 import kernels
 from frontier import paths
-from frontier.config import ConfigError, register_schemas, to_config
+from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
 
@@ -58,7 +58,7 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
         bench = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
                                                     OmegaConf.from_dotlist(mine)))
     except OmegaConfBaseException as err:
-        raise ConfigError(f"bench: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"bench: {error_line(err, named=False)}") from None
     return bench, [a for a in argv if not a.startswith("bench.")]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from frontier.config import ConfigError, ModelConfig
+from frontier.config import ConfigError, ModelConfig, error_line
 from frontier.model import GPT
 from frontier.tokenizer import Tokenizer
 
@@ -55,8 +55,7 @@ def read_checkpoint(path: str | os.PathLike, what: str, keys: tuple[str, ...] = 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # EOFError, UnpicklingError, zip errors, OSError: all mean unusable
-        detail = (str(err).splitlines() or [""])[0].split(". ")[0][:160]
-        raise refuse(f"it is truncated, damaged or not a torch checkpoint ({type(err).__name__}: {detail})") from None
+        raise refuse(f"it is truncated, damaged or not a torch checkpoint ({error_line(err)})") from None
     if not isinstance(payload, dict) or any(key not in payload for key in keys):
         held = f"keys {', '.join(map(str, list(payload)[:6])) or 'none'}" if isinstance(payload, dict) \
             else f"a {type(payload).__name__}"

@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
-from frontier.config import ConfigError, check_keys, key_hint, register_schemas, to_config
+from frontier.config import ConfigError, check_keys, error_line, key_hint, register_schemas, to_config
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -107,11 +107,10 @@ def raised_in(err: BaseException, code) -> bool:
 def one_sentence(err: BaseException) -> str:
     if isinstance(err, ConfigError):
         return str(err)
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    text = lines[0] if lines else type(err).__name__
+    text = error_line(err, named=False)
     cause = err.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
-        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+        text = f"{text.rstrip('.')}: {error_line(cause, named=False)}"
     return text
 
 
@@ -294,7 +293,7 @@ def explain_value(app: Composer, err: OmegaConfBaseException, overrides: list[Ov
         return (f"{line} is not allowed: {key} is required" +
                 (f"; choose one of {', '.join(options)}" if options else f"; set {key}=VALUE"))
     expected = allowed_type(cfg, key) if isinstance(err, ValidationError) else None
-    reason = f"must be {expected}" if expected else str(err).strip().splitlines()[0]
+    reason = f"must be {expected}" if expected else error_line(err, named=False)
     return f"{line} is not allowed: {reason}"
 
 

@@ -29,6 +29,17 @@ class ConfigError(ValueError):
     """A config value that is out of range or inconsistent with another."""
 
 
+def error_line(err: BaseException, *, named: bool = True) -> str:
+    """An error as one line for a message: the first non-blank line of its text, at most 300
+    characters, after its type's name (`named=False` leaves the name out, for errors whose text
+    says it all). An error with no text is its type's name."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    text = text if len(text) <= 300 else text[:297] + "..."
+    if not text:
+        return type(err).__name__
+    return f"{type(err).__name__}: {text}" if named else text
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")

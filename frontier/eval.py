@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig
+from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig, error_line
 
 
 @dataclass
@@ -31,7 +31,7 @@ def parse(argv: list[str]) -> EvalCommand:
         cfg = OmegaConf.merge(OmegaConf.structured(EvalCommand), OmegaConf.from_dotlist(argv))
         command: EvalCommand = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
-        raise ConfigError(str(err).splitlines()[0]) from None
+        raise ConfigError(error_line(err, named=False)) from None
     if (command.checkpoint is None) == (command.run_id is None):
         raise ConfigError("give exactly one of checkpoint=PATH or run_id=ID")
     return command

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 from mlflow import MlflowClient
 
-from frontier.config import ConfigError, TrackingConfig
-from frontier.tracking import RUN_KIND_TAG, _oneline, probe_server, sqlite_path, tracking_uri
+from frontier.config import ConfigError, TrackingConfig, error_line
+from frontier.tracking import RUN_KIND_TAG, probe_server, sqlite_path, tracking_uri
 
 # Bookkeeping, not knobs: always differs between runs and says nothing about the result.
 IGNORED_PREFIXES = ("tracking.", "trial.")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the store answered with an error: say which, in one line
-        print(f"error: tracking.uri={uri} could not be read ({_oneline(err)})", file=sys.stderr)
+        print(f"error: tracking.uri={uri} could not be read ({error_line(err)})", file=sys.stderr)
         return 2
     if experiment is None:
         print(f"error: experiment={args.experiment!r} is not allowed: no experiment of that name in {uri}",

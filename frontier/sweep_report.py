@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
+from frontier.config import error_line  # noqa: E402
 from frontier.study import default_storage, is_rdb, open_storage, safe_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
@@ -264,8 +265,7 @@ def main(argv: list[str]) -> int:
         print(f"error: study={name!r} is not in {storage} (studies there: {names})", file=sys.stderr)
         return 2
     except Exception as err:  # an unreachable or unreadable storage
-        print(f"error: storage={safe_storage(storage)!r} is not reachable ({type(err).__name__}: "
-              f"{str(err).splitlines()[0] if str(err) else ''})", file=sys.stderr)
+        print(f"error: storage={safe_storage(storage)!r} is not reachable ({error_line(err)})", file=sys.stderr)
         return 2
     out = Path(args.get("out") or Path(study.user_attrs.get("sweep_dir", ".")) / "report")
     report = write_report(study, out)

@@ -55,7 +55,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
-from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, project_path
+from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
 # MLflow's limits: param and tag value lengths, params/tags per log_batch call, metrics per call.
@@ -130,7 +130,7 @@ def ensure_store(uri: str) -> None:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"tracking.uri={uri} could not be opened ({_oneline(err)})") from None
+        raise ConfigError(f"tracking.uri={uri} could not be opened ({error_line(err)})") from None
 
 
 def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None) -> str:
@@ -291,12 +291,12 @@ class MlflowObserver:
                 if not _transient(err):
                     if not self._refused:
                         self._refused = True
-                        _warn(f"{self.uri} refused a call for run {self.run_id} ({_oneline(err)}); it is "
+                        _warn(f"{self.uri} refused a call for run {self.run_id} ({error_line(err)}); it is "
                               f"skipped and logging goes on")
                     return False
                 if not self._down:
                     self._down = True
-                    _warn(f"{self.uri} does not answer ({_oneline(err)}); retrying in the background, every "
+                    _warn(f"{self.uri} does not answer ({error_line(err)}); retrying in the background, every "
                           f"point is kept in {self.run_dir / 'metrics.jsonl'}; if the store is still down "
                           f"when the run ends, push it later with `python -m frontier.tracking sync {self.run_dir}`")
                 self._give_up.wait(delay)
@@ -471,7 +471,7 @@ def run_dir_of(tracking_cfg, run_id: str) -> Path:
         run = _retry(client.get_run, run_id)
     except Exception as err:
         raise ConfigError(f"no MLflow run {run_id!r} in tracking.uri={tracking_uri(tracking_cfg)} "
-                          f"({_oneline(err)})") from None
+                          f"({error_line(err)})") from None
     run_dir = run.data.tags.get("run_dir")
     if not run_dir:
         raise ConfigError(f"MLflow run {run_id!r} has no run_dir tag; pass its directory instead")
@@ -488,7 +488,7 @@ def checkpoint_of_run(tracking_cfg, run_id: str) -> Path:
         folder = _retry(client.download_artifacts, run_id, "checkpoint")
     except Exception as err:
         raise FileNotFoundError(f"MLflow run {run_id!r} has neither {local} nor a logged checkpoint "
-                                f"(train with tracking.log_checkpoint=true) ({_oneline(err)})") from None
+                                f"(train with tracking.log_checkpoint=true) ({error_line(err)})") from None
     return Path(folder) / "final.pt"
 
 
@@ -517,7 +517,7 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({_oneline(err)})") from None
+        raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({error_line(err)})") from None
     run.summary["mlflow_run_id"] = run_id  # in summary.json and resume.pt: how to find this run again
     write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=None)
     return client, uri, run_id
@@ -668,12 +668,6 @@ def _is_number(value: Any) -> bool:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _oneline(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _warn(message: str) -> None:
@@ -835,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the store failed part way: what was sent stays, the next sync sends the rest
-        print(f"error: sync of {args[1]} stopped ({_oneline(err)}); run it again when the store answers",
+        print(f"error: sync of {args[1]} stopped ({error_line(err)}); run it again when the store answers",
               file=sys.stderr)
         return 1
 

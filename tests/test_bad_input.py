@@ -218,3 +218,15 @@ def test_a_data_file_without_text_column_names_the_file(tmp_path):
     assert result.returncode == 2
     assert f"error: {tmp_path / 'shard_00000.parquet'} has no 'text' column" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("err, named, expected", [
+    (OSError("disk full\nmore detail"), True, "OSError: disk full"),
+    (ValueError("\n\n  second line first  \n"), False, "second line first"),
+    (EOFError(), True, "EOFError"),
+    (EOFError(), False, "EOFError"),
+    (RuntimeError("x" * 400), False, "x" * 297 + "..."),
+])
+def test_an_error_in_a_message_is_its_first_line(err, named, expected):
+    from frontier.config import error_line
+    assert error_line(err, named=named) == expected

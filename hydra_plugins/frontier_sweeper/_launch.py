@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from optuna.trial import TrialState
 
-from frontier.config import ConfigError
+from frontier.config import ConfigError, error_line
 from frontier.study import end_trial
 from hydra_plugins.frontier_sweeper._space import as_override
 
@@ -67,7 +67,7 @@ class LaunchedTrials:
                 submitit_executor(launcher)
             except Exception as err:
                 raise ConfigError(f"hydra/launcher=submitit_{launcher._EXECUTOR} is not usable here "
-                                  f"({str(err).strip().splitlines()[0]}): run the sweep on a machine of "
+                                  f"({error_line(err, named=False)}): run the sweep on a machine of "
                                   "the cluster, or use hydra/launcher=basic") from None
         self.lock = threading.Lock()
         self.cancelled = False
@@ -85,9 +85,7 @@ class LaunchedTrials:
             result = self._submitit(overrides, number, output, watch) if self.submitit else \
                 self.launcher.launch([overrides], initial_job_idx=number)[0]
         except Exception as err:  # the job died (killed, cancelled, node lost) or could not be submitted
-            message = str(err).strip().splitlines()
-            _append(output, f"error: {self.name} job ended without a result: "
-                            f"{message[-1] if message else type(err).__name__}")
+            _append(output, f"error: {self.name} job ended without a result: {error_line(err)}")
             return 1, watch.reason or ("stopped by its driver (interrupted)" if self.cancelled else None)
         if result.status == JobStatus.COMPLETED:
             return 0, watch.reason

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
                                   IntDistribution)
 
-from frontier.config import ConfigError
+from frontier.config import ConfigError, error_line
 
 ALLOWED = "use choice(...), range(...), interval(...) or tag(log, interval(...))"
 
@@ -58,7 +58,7 @@ def parse(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, BaseD
             override = parser.parse_override(line)
         except HydraException as err:
             raise ConfigError(f"{name} is not a valid search-space expression "
-                              f"({str(err).splitlines()[0]}): {ALLOWED}") from None
+                              f"({error_line(err, named=False)}): {ALLOWED}") from None
         key = override.get_key_element()
         if override.key_or_group == "sweep" or override.key_or_group.startswith("sweep."):
             continue

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.config import ConfigError, SweepConfig
+from frontier.config import ConfigError, SweepConfig, error_line
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, trial_seed)
@@ -265,7 +265,7 @@ class Sweep:
                 config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:
                 raise ConfigError(f"the trial overrides {' '.join(overrides)} do not compose: "
-                                  f"{str(err).splitlines()[0]}") from None
+                                  f"{error_line(err, named=False)}") from None
 
     def open_study(self) -> optuna.Study:
         try:
@@ -273,7 +273,7 @@ class Sweep:
             exists = self.study_name in {s.study_name for s in storage.get_all_studies()}
         except Exception as err:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
-                              f"({type(err).__name__}: {str(err).splitlines()[0]}): give a reachable "
+                              f"({error_line(err)}): give a reachable "
                               "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
         if exists:  # checked before anything is written: a refused command leaves the study as it was
             study = optuna.load_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
