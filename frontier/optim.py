@@ -85,8 +85,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def newton_schulz_dtype(setting: str, device_kind: str) -> torch.dtype:
-    """optim.ns_dtype: auto is bf16 where the device computes it natively (fast and accurate enough
-    there), else fp32 (bf16 without hardware support is many times slower than fp32)."""
+    """optim.ns_dtype: auto is bf16 where the device computes it natively and faster than fp32 (and
+    accurately enough for Newton-Schulz), else fp32."""
     if setting == "auto":
         setting = "bf16" if bf16_native(device_kind)[0] else "fp32"
     return DTYPES[setting]

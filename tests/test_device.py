@@ -20,13 +20,18 @@ def peak_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def cpu_with_bf16(monkeypatch):
+def cpu_with_bf16(monkeypatch, peak_cache):
+    """A CPU with AVX512_BF16 whose bf16 matmuls outrun its fp32 ones."""
     monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AVX512_BF16"])
+    fake_rates(peak_cache, CPU, bf16=60e9, fp32=30e9)
 
 
 @pytest.fixture
 def cpu_without_bf16(monkeypatch):
     monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: [])
+
+
+CPU = device_module.Device(torch.device("cpu"), "cpu", "cpu", "fp32")
 
 
 def fake_rates(cache, device, bf16: float, fp32: float) -> None:
@@ -60,11 +65,40 @@ def test_an_unknown_precision_is_a_clear_error():
 
 
 def test_auto_precision_is_bf16_on_a_cpu_with_native_bf16(cpu_with_bf16, capsys):
-    assert bf16_native("cpu") == (True, "cpu has AVX512_BF16")
+    why = "cpu has AVX512_BF16, its bf16 matmuls run at 60.0 GFLOP/s against 30.0 in fp32"
+    assert bf16_native("cpu") == (True, why)
     device = resolve_device("cpu", "auto")
     assert device.precision == "bf16" and device.autocast_dtype == torch.bfloat16
-    assert device.precision_reason == "auto: cpu has AVX512_BF16"
-    assert capsys.readouterr().err == "precision bf16: auto: cpu has AVX512_BF16\n"
+    assert device.precision_reason == f"auto: {why}"
+    assert capsys.readouterr().err == f"precision bf16: auto: {why}\n"
+
+
+def test_auto_precision_is_fp32_where_the_bf16_instructions_run_slower_than_fp32(
+        monkeypatch, peak_cache, capsys):
+    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AVX512_BF16"])
+    fake_rates(peak_cache, CPU, bf16=71e9, fp32=134e9)
+    device = resolve_device("cpu", "auto")
+    why = "cpu has AVX512_BF16, but its bf16 matmuls run at only 71.0 GFLOP/s against 134.0 in fp32"
+    assert device.precision == "fp32" and device.precision_reason == f"auto: {why}"
+    capsys.readouterr()
+    assert resolve_device("cpu", "bf16").precision == "bf16"  # asked for, it runs, with the cost said
+    assert capsys.readouterr().err.splitlines()[1] == (
+        "warning: precision=bf16 on this cpu: its matmuls run 1.9x slower than fp32 here (71.0 vs 134.0 "
+        "GFLOP/s); precision=auto or precision=fp32 is faster here")
+
+
+def test_the_bf16_and_fp32_rates_are_measured_once_for_auto(monkeypatch, peak_cache):
+    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AMX"])
+    measured = []
+
+    def measure(device, size=None, dtype=None, seconds=0):
+        measured.append(dtype)
+        return 400e9 if dtype == torch.bfloat16 else 100e9
+
+    monkeypatch.setattr(device_module, "measure_matmul_flops", measure)
+    for _ in range(2):
+        assert resolve_device("cpu", "auto").precision == "bf16"
+    assert measured == [torch.bfloat16, torch.float32]
 
 
 def test_auto_precision_is_fp32_on_a_cpu_without_native_bf16(cpu_without_bf16, capsys):
@@ -84,14 +118,14 @@ def test_explicit_bf16_without_native_bf16_runs_and_warns_of_the_measured_slowdo
     assert device.precision == "bf16"
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("precision bf16: precision=bf16 (cpu has neither")
-    assert lines[1] == ("warning: precision=bf16 on a cpu without native bf16: its matmuls run 80.0x slower than "
+    assert lines[1] == ("warning: precision=bf16 on this cpu: its matmuls run 80.0x slower than "
                         "fp32 here (0.3 vs 24.0 GFLOP/s); precision=auto or precision=fp32 is faster here")
     assert len(lines) == 2
 
 
 def test_explicit_fp32_is_kept_on_a_cpu_with_native_bf16(cpu_with_bf16, capsys):
     device = resolve_device("cpu", "fp32")
-    assert device.precision == "fp32" and device.precision_reason == "precision=fp32 (cpu has AVX512_BF16)"
+    assert device.precision == "fp32" and device.precision_reason == "precision=fp32"
 
 
 def test_the_peak_is_measured_once_and_cached_with_its_date_and_load(peak_cache, monkeypatch):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from frontier import device as device_module
+from frontier import optim as optim_module
 from frontier.config import ConfigError, ModelConfig, OptimConfig
 from frontier.model import GPT
 from frontier.optim import Muon, apply_schedule, build_optimizers, orthogonalize
@@ -37,7 +37,7 @@ class DtypesSeen(TorchDispatchMode):
 
 
 def muon_of(ns_dtype: str, monkeypatch, native: bool) -> Muon:
-    monkeypatch.setattr(device_module, "cpu_bf16_features", lambda: ["AMX"] if native else [])
+    monkeypatch.setattr(optim_module, "bf16_native", lambda kind: (native, "as the test says"))
     model = GPT(ModelConfig(depth=1, d_model=32, n_head=2, seq_len=8), vocab_size=50)
     return build_optimizers(model.param_groups(), OptimConfig(ns_dtype=ns_dtype), "cpu")[1]
 
