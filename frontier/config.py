@@ -246,7 +246,7 @@ class DataConfig:
     vocab_size: int = 8192  # BPE merges + byte tokens; a BOS token is added on top
     tokenizer_path: Optional[str] = None  # an existing tokenizer.json instead of training one
     tokenizer_train_chars: int = 100_000_000
-    cache_dir: str = ".cache"  # relative to the project root
+    cache_dir: str = ".cache"  # a relative path is taken from paths.home
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, ("local", "hub"))

@@ -46,6 +46,18 @@ def under_home(path: str | Path) -> Path:
     return path if path.is_absolute() else home() / path
 
 
+def store_under_home(spec: str) -> str:
+    """A store given as a relative file path or a relative `sqlite:///` URL is taken from home, like
+    every other path Frontier resolves, so a command finds the same store wherever it runs;
+    absolute paths and server URLs are kept."""
+    if spec.startswith("sqlite:///"):
+        path, sep, query = spec[len("sqlite:///"):].partition("?")
+        if path and path != ":memory:" and not Path(path).expanduser().is_absolute():
+            return f"sqlite:///{under_home(path)}{sep}{query}"
+        return spec
+    return spec if "://" in spec else str(under_home(spec))
+
+
 def conf_dir() -> Path:
     return _CHECKOUT / "conf" if IN_CHECKOUT else PACKAGE / "conf"
 

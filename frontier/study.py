@@ -28,15 +28,16 @@ from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.config import project_path
+from frontier import paths
 
 STALE_REASON = "its process stopped sending heartbeats (killed, or its machine went away)"
 DRIVER_ENV = "FRONTIER_SWEEP_DRIVER"  # "host:pid:start" of the driver that launched this trial
 
 
-def default_storage(study_name: str) -> str:
-    """A journal file that every process on this machine (or on a shared disk) can append to."""
-    return str(project_path(f"mlruns/sweeps/{study_name}.journal"))
+def study_storage(spec: str | None, study_name: str) -> str:
+    """`sweep.storage` as every process opens it: by default a journal file that every process on
+    this machine (or on a shared disk) can append to; a relative path is taken from home."""
+    return paths.store_under_home(spec or f"mlruns/sweeps/{study_name}.journal")
 
 
 def is_rdb(spec: str) -> bool:

@@ -22,7 +22,7 @@ import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from frontier.config import error_line  # noqa: E402
-from frontier.study import default_storage, is_rdb, open_storage, safe_storage  # noqa: E402
+from frontier.study import is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)
         return 2
     name = args["study"]
-    storage = args.get("storage") or default_storage(name)
+    storage = study_storage(args.get("storage"), name)
     if not is_rdb(storage) and not Path(storage).expanduser().exists():
         print(f"error: storage={storage!r} does not exist: pass the sweep's sweep.storage", file=sys.stderr)
         return 2

@@ -55,6 +55,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
+from frontier import paths
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
@@ -94,16 +95,12 @@ RUN_KIND_TAG = "run_kind"  # "sweep" on a sweep's parent run; the leaderboard le
 def tracking_uri(tracking_cfg) -> str:
     """`tracking.uri`, else MLFLOW_TRACKING_URI, else the project's SQLite store.
 
-    A relative SQLite path is taken from the project root, wherever the command runs.
+    A relative SQLite path is taken from home (paths.store_under_home), wherever the command runs.
     """
     uri = tracking_cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     if not uri:
         return f"sqlite:///{project_path('mlruns') / 'mlflow.db'}"
-    path = sqlite_path(uri)
-    if path is not None and not path.is_absolute():
-        query = uri.partition("?")[2]
-        uri = f"sqlite:///{project_path(path)}" + (f"?{query}" if query else "")
-    return uri
+    return paths.store_under_home(uri) if uri.startswith("sqlite:///") else uri
 
 
 def probe_server(tracking_cfg) -> None:

@@ -20,8 +20,8 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from frontier.observers import StopRun
-from frontier.study import (DRIVER_ENV, Process, build_pruner, default_storage, driver_alive, end_trial,
-                            open_storage, outcome)
+from frontier.study import (DRIVER_ENV, Process, build_pruner, driver_alive, end_trial,
+                            open_storage, outcome, study_storage)
 
 WATCH_SECONDS = 1.0  # how often the trial looks for its driver on this machine
 
@@ -45,7 +45,7 @@ class TrialReporter:
     @classmethod
     def for_run(cls, run) -> "TrialReporter":
         cfg = run.config.trial
-        storage = open_storage(cfg.storage or default_storage(cfg.study))
+        storage = open_storage(study_storage(cfg.storage, cfg.study))
         # the sampler never runs here (the driver sampled the parameters); the pruner must be the
         # study's, which the driver records in the study's user attributes
         study = optuna.load_study(study_name=cfg.study, storage=storage,

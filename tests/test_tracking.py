@@ -170,6 +170,22 @@ def test_tracking_uri_default_env_and_relative(monkeypatch):
     assert tracking.tracking_uri(TrackingConfig(uri="sqlite:///mlruns/mlflow.db")) == f"sqlite:///{root_db}"
 
 
+def test_a_relative_store_is_taken_from_home_wherever_the_command_runs(tmp_path, monkeypatch):
+    from frontier import paths
+    from frontier.study import study_storage
+
+    monkeypatch.setattr(paths, "_chosen", {})  # no paths.home= from an earlier command in this process
+    monkeypatch.setenv("FRONTIER_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / "home"
+    assert study_storage(None, "s") == str(home / "mlruns" / "sweeps" / "s.journal")
+    assert study_storage("mlruns/sweeps/s.journal", "x") == study_storage(None, "s")
+    assert study_storage("sqlite:///studies.db?timeout=5", "s") == f"sqlite:///{home / 'studies.db'}?timeout=5"
+    assert study_storage("/abs/s.journal", "s") == "/abs/s.journal"
+    assert study_storage("postgresql://u@h:5432/db", "s") == "postgresql://u@h:5432/db"
+    assert tracking.tracking_uri(TrackingConfig(uri="sqlite:///m.db")) == f"sqlite:///{home / 'm.db'}"
+
+
 # -----------------------------------------------------------------------------
 # A real tracking server
 

@@ -32,9 +32,9 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from frontier.config import ConfigError, SweepConfig, error_line
-from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, default_storage, end_trial,
+from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
-                            settle_orphans, trial_seed)
+                            settle_orphans, study_storage, trial_seed)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
@@ -222,7 +222,7 @@ class Sweep:
         # a Hydra launcher other than the basic one runs each trial as its job (_launch.py)
         self.launched = None if is_builtin(launcher) else LaunchedTrials(launcher, self.sweep.devices_per_trial)
         self.study_name = self.sweep.study_name or self.sweep.name
-        self.storage_spec = self.sweep.storage or default_storage(self.study_name)
+        self.storage_spec = study_storage(self.sweep.storage, self.study_name)
         if self.launched is not None and not self.launched.local:  # the scheduler gives each job its devices
             self.slots = [Slot(f"{self.launched.name} job", {}) for _ in range(self.sweep.n_jobs)]
         else:
