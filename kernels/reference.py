@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -11,7 +12,32 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
+    # inductor fuses the plain definition into one pass each way; without a backward it is as good
+    if torch.compiler.is_compiling() or not (x.requires_grad and torch.is_grad_enabled()):
+        return F.relu(x).square()
+    return _ReLU2.apply(x)
+
+
+class _ReLU2(torch.autograd.Function):
+    """relu(x)^2 with its backward as one in-place pass over a tensor saved by the forward.
+
+    Eager autograd would allocate three activation-sized tensors in the backward (2r, 2r*g and
+    the relu mask's result); on a CPU each fresh one is page-faulted in, as slow as the arithmetic.
+    The result is bit-identical: the factor 2 is exact and r is zero wherever relu cuts.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        r = F.relu(x)
+        out = r.square()
+        ctx.save_for_backward(r.mul_(2))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (twice_r,) = ctx.saved_tensors
+        return twice_r.mul_(grad)  # the saved tensor is this backward's alone
 
 
 def leaky_relu2(x: torch.Tensor, slope: float = 0.5) -> torch.Tensor:

@@ -131,6 +131,27 @@ def test_cli_stops_before_reading_data(args, backend, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+# -- relu2: the reference's in-place backward ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_with_its_in_place_backward_is_bit_identical_to_autograd(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, 96, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    out = reference.relu2(x)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_ReLU2Backward"
+    (mine,) = torch.autograd.grad(out, x, grad)
+    plain = torch.nn.functional.relu(x).square()
+    (expected,) = torch.autograd.grad(plain, x, grad)
+    assert torch.equal(out, plain) and torch.equal(mine, expected)
+    with torch.no_grad():  # no backward to prepare: the plain definition
+        assert torch.equal(reference.relu2(x), plain)
+    out = reference.relu2(x)
+    out.backward(grad, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)  # its saved tensor was spent: a second backward is refused, not wrong
+
+
 # -- head_loss: the chunked reference path ----------------------------------------------------------
 
 @pytest.mark.parametrize("rows, vocab, softcap, reduction", HEAD_CASES)
