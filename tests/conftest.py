@@ -13,15 +13,6 @@ from hydra import compose, initialize_config_dir
 
 from frontier.config import register_schemas
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest -n 2 on two cores: each worker, and every process it starts, keeps to one thread, so
-    # two workers never fight over the cores (torch would otherwise take every core in each)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MKL_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
-
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 WIKI = SHARED / "data" / "text" / "wiki_en"
