@@ -170,6 +170,22 @@ def test_chunked_head_loss_without_weight_grads_or_any_grads():
                                    reference.head_loss(x, weight, targets, softcap=15.0, reduction="none"))
 
 
+def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile():
+    x, weight, targets = head_inputs(200, 300)
+    model = torch.nn.Linear(16, 16)
+
+    def step(x, weight, targets):
+        return chunked.head_loss(torch.relu(model(x)), weight, targets, softcap=15.0, chunk_rows=64)
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="inductor", fullgraph=False)(x, weight, targets)
+    assert type(got.grad_fn).__name__ == "HeadLossBackward"  # its own autograd node, not inductor's
+    expected = reference.head_loss(torch.relu(model(x)), weight, targets, softcap=15.0)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(torch.autograd.grad(got, (x, weight)), torch.autograd.grad(expected, (x, weight))):
+        torch.testing.assert_close(g, e)
+
+
 def test_chunked_head_loss_under_bf16_autocast_matches_the_definition():
     x, weight, targets = head_inputs(200, 500, d=64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
