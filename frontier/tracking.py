@@ -139,7 +139,9 @@ def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: 
     if run_id:
         try:
             existing = _retry(client.get_run, run_id)
-        except MlflowException:  # deleted, or another store: start a new one
+        except MlflowException as err:  # deleted, or another store: start a new one
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise  # a store that failed to answer: a second parent run would split the sweep
             existing = None
         if existing is not None and existing.info.lifecycle_stage == "active":
             if existing.info.status != "RUNNING":

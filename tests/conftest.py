@@ -9,9 +9,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from frontier.config import register_schemas
+# Without a GPU, Triton's kernels run on CPU tensors through its interpreter, which has to be on before
+# triton is first imported; anything may import it (torch.compile does), so it is set before all else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from frontier.config import register_schemas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
