@@ -188,7 +188,10 @@ def measure_matmul_flops(device: Device, size: int | None = None, dtype: torch.d
     dtype = dtype or device.autocast_dtype or torch.float32
 
     def operands(n):  # the product goes into one buffer, so the figure holds no allocation
-        return [torch.randn(n, n, device=device.torch_device, dtype=dtype) for _ in range(3)]
+        # from a generator of its own: a run that measures must draw the same random numbers as one
+        # that finds the rate cached (its seeded model and data would differ otherwise)
+        gen = torch.Generator().manual_seed(n)
+        return [torch.randn(n, n, generator=gen, dtype=dtype).to(device.torch_device) for _ in range(3)]
 
     def timed(a, b, out) -> float:
         start = time.perf_counter()
