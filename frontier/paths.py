@@ -46,15 +46,22 @@ def under_home(path: str | Path) -> Path:
     return path if path.is_absolute() else home() / path
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URL; None for any other URL and for `:memory:`."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].partition("?")[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
 def store_under_home(spec: str) -> str:
     """A store given as a relative file path or a relative `sqlite:///` URL is taken from home, like
     every other path Frontier resolves, so a command finds the same store wherever it runs;
     absolute paths and server URLs are kept."""
-    if spec.startswith("sqlite:///"):
-        path, sep, query = spec[len("sqlite:///"):].partition("?")
-        if path and path != ":memory:" and not Path(path).expanduser().is_absolute():
-            return f"sqlite:///{under_home(path)}{sep}{query}"
-        return spec
+    path = sqlite_path(spec)
+    if path is not None and not path.expanduser().is_absolute():
+        _, sep, query = spec.partition("?")
+        return f"sqlite:///{under_home(path)}{sep}{query}"
     return spec if "://" in spec else str(under_home(spec))
 
 

@@ -56,6 +56,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
 from frontier import paths
+from frontier.paths import sqlite_path
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
@@ -633,13 +634,6 @@ def _store_lock(uri: str):
         return contextlib.nullcontext()
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(f"{path}.lock")
-
-
-def sqlite_path(uri: str) -> Path | None:
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///"):].partition("?")[0]
-    return Path(path) if path and path != ":memory:" else None
 
 
 def _is_http(uri: str) -> bool:
