@@ -1,16 +1,11 @@
 """Every kernel choice that runs here trains like kernel=reference: the trainer's own step, the same
 seed and batches, fp32, with the knobs that once made kernel=compiled a different optimiser
 (value embeddings and per-layer scalars). Triton runs under its interpreter on a CPU."""
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see tests/test_kernels.py)
 
 import kernels
 from frontier.budget import BudgetClock
