@@ -31,10 +31,17 @@ def chunk_rows_for(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
+def capped_(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    """tanh(z / softcap), in place, as 2 sigmoid(2z / softcap) - 1: the same function within an
+    ulp of 1, and three times faster on a CPU, where ATen's tanh costs more than the chunk's matmul."""
+    return z.mul_(2 / softcap).sigmoid_().mul_(2).sub_(1)
+
+
 def torch_row_loss(z: torch.Tensor, targets: torch.Tensor,
                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss and log-sum-exp of one chunk's raw fp32 logits z (n, V); ignored rows lose 0."""
-    logits = softcap * torch.tanh(z / softcap) if softcap is not None else z
+    """Per-row loss and log-sum-exp of one chunk's raw fp32 logits z (n, V); ignored rows lose 0.
+    Overwrites z."""
+    logits = capped_(z, softcap).mul_(softcap) if softcap is not None else z
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
     return torch.where(targets != IGNORE, lse - picked, torch.zeros_like(lse)), lse
@@ -45,7 +52,7 @@ def torch_row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, sc
     """d loss / d z for one chunk: (softmax - onehot(target)) * scale per row, through the soft-cap.
     `scale` is each row's weight in the loss, 0 for ignored rows. Overwrites z."""
     if softcap is not None:
-        t = z.div_(softcap).tanh_()
+        t = capped_(z, softcap)
         grad = (t * softcap).sub_(lse.unsqueeze(1)).exp_()
     else:
         t, grad = None, z.sub_(lse.unsqueeze(1)).exp_()
@@ -60,7 +67,7 @@ def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Ten
     The chunk is memory-bound, so this makes as few passes over it as it can: one buffer of
     exponentials becomes the gradient in place, normalised in the same pass that scales it."""
     if softcap is not None:
-        t = z.mul_(1 / softcap).tanh_()  # logits = softcap * t
+        t = capped_(z, softcap)  # logits = softcap * t
         top = t.amax(dim=-1)
         probs = torch.sub(t, top.unsqueeze(1), out=work).mul_(softcap).exp_()  # exp(logit - max logit)
         top = top * softcap
