@@ -167,6 +167,16 @@ def test_chunked_head_loss_without_weight_grads_or_any_grads():
                                    reference.head_loss(x, weight, targets, softcap=15.0, reduction="none"))
 
 
+def test_the_soft_cap_in_sigmoid_form_is_tanh_to_within_two_ulps_of_one():
+    z = torch.cat([torch.linspace(-200, 200, 40001), torch.tensor([0.0, 1e-30, -1e-30, 1e-6, 3.0e38, -3.0e38])])
+    softcap = 15.0
+    got = chunked.capped_(z.clone(), softcap)
+    expected = torch.tanh(z.double() / softcap)
+    assert not got.isnan().any()
+    assert (got.double() - expected).abs().max() <= 2 ** -22  # two ulps of 1.0
+    assert got.abs().max() <= 1.0  # the logits stay inside the cap
+
+
 def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile():
     x, weight, targets = head_inputs(200, 300)
     model = torch.nn.Linear(16, 16)
