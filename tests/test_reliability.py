@@ -448,7 +448,7 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
     command = [sys.executable, "-m", "frontier.train", "--multirun", "sweep=custom",
                "optim.matrix_lr=tag(log, interval(0.01, 0.05))", "sweep.sampler=random", "sweep.pruner=none",
                "sweep.n_trials=3", f"sweep.study_name={study}", f"sweep.storage={storage}",
-               "sweep.heartbeat_interval=1", "sweep.grace_period=10", *FAST, "budget.max_steps=20",
+               "sweep.heartbeat_interval=1", "sweep.grace_period=15", *FAST, "budget.max_steps=20",
                "eval.every_fraction=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(tmp_path / "sweep" / "1" / "output.log", driver)  # trial 0 is done, trial 1 running
@@ -456,7 +456,7 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
     for pid in processes_with(f"trial.study={study}"):  # the machine went down with its trials
         os.kill(pid, signal.SIGKILL)
     driver.wait()
-    time.sleep(11)  # past the grace period: trial 1's heartbeat is stale
+    time.sleep(16)  # past the grace period: trial 1's heartbeat is stale
 
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
