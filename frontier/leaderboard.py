@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from mlflow import MlflowClient
 
 from frontier.config import ConfigError, TrackingConfig, error_line
-from frontier.tracking import RUN_KIND_TAG, probe_server, sqlite_path, tracking_uri
+from frontier.paths import sqlite_path
+from frontier.tracking import RUN_KIND_TAG, probe_server, tracking_uri
 
 # Bookkeeping, not knobs: always differs between runs and says nothing about the result.
 IGNORED_PREFIXES = ("tracking.", "trial.")

@@ -56,7 +56,6 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
 from frontier import paths
-from frontier.paths import sqlite_path
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
@@ -575,7 +574,7 @@ def _artifact_location(uri: str, experiment: str) -> str | None:
     if _is_http(uri) or uri.startswith("databricks"):
         return None
     folder = re.sub(r"[^\w.-]", "_", experiment)
-    db = sqlite_path(uri)
+    db = paths.sqlite_path(uri)
     root = db.parent if db is not None else project_path("mlruns")
     return (root / "artifacts" / folder).as_uri()
 
@@ -629,7 +628,7 @@ def _retry(fn: Callable, *args, **kwargs):
 
 
 def _store_lock(uri: str):
-    path = sqlite_path(uri)
+    path = paths.sqlite_path(uri)
     if path is None:
         return contextlib.nullcontext()
     path.parent.mkdir(parents=True, exist_ok=True)

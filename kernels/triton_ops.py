@@ -47,13 +47,17 @@ def _rms_norm_bwd(dy_ptr, x_ptr, rstd_ptr, dx_ptr, rows, stride, D, ROWS: tl.con
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_grid(rows: int, D: int) -> tuple[tuple[int], int, int]:
-    """The launch grid, rows per program and block width: whole rows, about MAX_BLOCK elements a program."""
+def _packed(rows: int, block: int) -> tuple[int, tuple[int]]:
+    """Rows per program (whole rows, up to about MAX_BLOCK elements a program) and the launch grid."""
+    per_program = max(1, MAX_BLOCK // block)
+    return per_program, (triton.cdiv(rows, per_program),)
+
+
+def _rms_norm_block(D: int) -> int:
     block = triton.next_power_of_2(D)
     if block > 65536:
         raise ValueError(f"triton rms_norm holds a whole row in one block; {D} columns is too many")
-    per_program = max(1, MAX_BLOCK // block)
-    return (triton.cdiv(rows, per_program),), per_program, block
+    return block
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -61,7 +65,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x):
         x2 = x.reshape(-1, x.size(-1)).contiguous()
         rows, D = x2.shape
-        grid, per_program, block = _rms_norm_grid(rows, D)
+        block = _rms_norm_block(D)
+        per_program, grid = _packed(rows, block)
         y = torch.empty_like(x2)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
@@ -78,7 +83,8 @@ class _RMSNorm(torch.autograd.Function):
         dy2 = dy.reshape(rows, D).contiguous()
         dx = torch.empty_like(x2)
         if rows:
-            grid, per_program, block = _rms_norm_grid(rows, D)
+            block = _rms_norm_block(D)
+            per_program, grid = _packed(rows, block)
             _rms_norm_bwd[grid](dy2, x2, rstd, dx, rows, x2.stride(0), D, ROWS=per_program, BLOCK=block)
         return dx.view(dy.shape)
 
@@ -145,8 +151,8 @@ def _cross_entropy(z_ptr, targets_ptr, loss_ptr, lse_ptr, scale_ptr, rows, strid
 def _launch_cross_entropy(z, targets, lse, scale, softcap, loss=None):
     rows, V = z.shape
     block = min(MAX_BLOCK, triton.next_power_of_2(V))
-    per_program = MAX_BLOCK // block
-    _cross_entropy[(triton.cdiv(rows, per_program),)](
+    per_program, grid = _packed(rows, block)
+    _cross_entropy[grid](
         z, targets, loss if loss is not None else lse, lse, scale if scale is not None else lse, rows,
         z.stride(0), V, softcap or 1.0, HAS_CAP=softcap is not None, LOSS=loss is not None,
         GRAD=scale is not None, ROWS=per_program, BLOCK=block)

@@ -110,6 +110,13 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
 # Supervised trials
 
 
+def wait_for_training(driver: subprocess.Popen, metrics: Path) -> None:
+    """Until the trial has logged metrics; at once, with the driver's output, if the sweep ends first."""
+    wait_for(lambda: driver.poll() is not None or (metrics.exists() and metrics.stat().st_size > 0), 300,
+             "the trial to start training")
+    assert driver.poll() is None, driver.communicate()[0][-3000:]  # the sweep ended before it trained
+
+
 # A trial's silence counts from its launch, and its process beats only once it has imported torch and
 # opened its stores: seconds on a loaded two-core machine, where 6 s once killed a healthy trial.
 GRACE = 15
@@ -124,10 +131,7 @@ def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, shared_st
                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # training has started (metrics logged), so the trial's own heartbeat runs: then it goes silent
-        metrics = tmp_path / "out" / "0" / "metrics.jsonl"
-        wait_for(lambda: driver.poll() is not None or (metrics.exists() and metrics.stat().st_size > 0), 300,
-                 "the trial to start training")
-        assert driver.poll() is None, driver.communicate()[0][-3000:]  # the sweep ended before it trained
+        wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
         trial = Process.parse(trial_attr(storage, name, "process"))
         os.kill(trial.pid, signal.SIGSTOP)  # alive, but silent
         output, _ = driver.communicate(timeout=300)
@@ -231,10 +235,7 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
                                              f"sweep.storage={storage}", "sweep.study_name=stopped"),
                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        metrics = tmp_path / "out" / "0" / "metrics.jsonl"
-        wait_for(lambda: driver.poll() is not None or (metrics.exists() and metrics.stat().st_size > 0), 300,
-                 "the trial to start training")
-        assert driver.poll() is None, driver.communicate()[0][-3000:]  # the sweep ended before it trained
+        wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
         trial = Process.parse(trial_attr(storage, "stopped", "process"))
         driver.send_signal(signal.SIGTERM)  # preemption, or Ctrl-C
         output, _ = driver.communicate(timeout=300)
