@@ -109,11 +109,16 @@ def open_storage(spec: str, heartbeat_interval: int | None = None,
 @contextlib.contextmanager
 def ask_lock(spec: str, storage: BaseStorage, study_name: str):
     """Serialises "count the study's trials, then create one" (and the drivers' bookkeeping) across
-    processes and machines, so that n_trials is exact however many drivers share the study."""
+    processes and machines, so that n_trials is exact however many drivers share the study.
+    `storage`: what open_storage(spec) returned, not a study's `_storage` (Optuna wraps an RDB in a cache)."""
     if not is_rdb(spec):
         with FileLock(str(Path(spec).expanduser().resolve()) + ".ask.lock"):  # .lock is the journal's own
             yield
-    elif isinstance(storage, RDBStorage) and storage.engine.dialect.name == "postgresql":
+        return
+    if not isinstance(storage, RDBStorage):  # a lock silently not taken would let two drivers race
+        raise TypeError(f"ask_lock needs the RDBStorage of {safe_storage(spec)}, not a {type(storage).__name__}")
+    dialect = storage.engine.dialect.name
+    if dialect == "postgresql":
         from sqlalchemy import text
 
         key = {"key": zlib.crc32(study_name.encode())}
@@ -123,7 +128,7 @@ def ask_lock(spec: str, storage: BaseStorage, study_name: str):
                 yield
             finally:
                 conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
-    elif isinstance(storage, RDBStorage) and storage.engine.dialect.name == "sqlite":
+    elif dialect == "sqlite":
         with FileLock(str(storage.engine.url.database) + ".ask.lock"):
             yield
     else:  # other databases: workers on one machine are serialised by the sweeper itself

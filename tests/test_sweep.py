@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -328,6 +329,40 @@ def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, s
                 optuna.delete_study(study_name=f"{name}-again", storage=again.study._storage)
         finally:
             optuna.delete_study(study_name=name, storage=open_storage(storage))
+
+
+def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path):
+    """The lock around "count, then ask" and the parent run's creation; a lock not taken on an RDB
+    once let two drivers starting together each open a parent run."""
+    for storage in [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]:
+        name = f"lock-{uuid.uuid4().hex[:8]}"
+        args = ["sweep=lr", f"sweep.storage={storage}", f"sweep.study_name={name}"]
+        first, second = compose_sweep(*args), compose_sweep(*args)
+        try:
+            second_has_it = threading.Event()
+
+            def take_it():
+                with second.locked():
+                    second_has_it.set()
+
+            with first.locked():
+                waiter = threading.Thread(target=take_it)
+                waiter.start()
+                assert not second_has_it.wait(1.5), f"two drivers held the lock of {storage} at once"
+            assert second_has_it.wait(30), f"the lock of {storage} was not handed on"
+            waiter.join()
+        finally:
+            optuna.delete_study(study_name=name, storage=open_storage(storage))
+
+
+def test_the_lock_refuses_a_storage_it_cannot_lock(tmp_path):
+    from frontier.study import ask_lock
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    cached = optuna.storages.get_storage(url)  # what a study holds as its _storage: Optuna's cache
+    with pytest.raises(TypeError, match="needs the RDBStorage"):
+        with ask_lock(url, cached, "any"):
+            pass
 
 
 # -----------------------------------------------------------------------------

@@ -269,7 +269,9 @@ class Sweep:
 
     def open_study(self) -> optuna.Study:
         try:
-            storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
+            # kept for ask_lock: the study wraps an RDBStorage in Optuna's cache, which has no engine
+            self.storage = storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval,
+                                                  self.sweep.grace_period)
             exists = self.study_name in {s.study_name for s in storage.get_all_studies()}
         except Exception as err:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
@@ -358,7 +360,7 @@ class Sweep:
     @contextlib.contextmanager
     def locked(self):
         """This process's lock, then the study's lock across processes and machines."""
-        with self.lock, ask_lock(self.storage_spec, self.study._storage, self.study_name):
+        with self.lock, ask_lock(self.storage_spec, self.storage, self.study_name):
             yield
 
     # -- the workers ----------------------------------------------------------------------------
