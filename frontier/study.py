@@ -93,13 +93,36 @@ class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
         return None
 
 
+class HeartbeatRDBStorage(RDBStorage):
+    """Optuna's RDB storage, where a RUNNING trial that never sent a heartbeat is stale once
+    `grace_period` has passed since it was created, as in HeartbeatJournalStorage. Optuna skips such a
+    trial, so a driver killed between creating a trial and launching it would leave it RUNNING for good."""
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        from optuna.storages._rdb.models import TrialHeartbeatModel as Beat
+        from optuna.storages._rdb.models import TrialModel as Trial
+
+        stale = super()._get_stale_trial_ids(study_id)
+        grace = self.grace_period or 2 * self.heartbeat_interval
+        session = self.scoped_session()
+        try:
+            silent = [trial_id for (trial_id,) in session.query(Trial.trial_id)
+                      .outerjoin(Beat, Beat.trial_id == Trial.trial_id)
+                      .filter(Trial.study_id == study_id, Trial.state == TrialState.RUNNING, Beat.trial_id.is_(None))]
+        finally:
+            session.close()
+        now = time.time()
+        return stale + [trial_id for trial_id in silent
+                        if now - self.get_trial(trial_id).datetime_start.timestamp() > grace]
+
+
 def open_storage(spec: str, heartbeat_interval: int | None = None,
                  grace_period: int | None = None) -> BaseStorage:
     """An RDB URL (postgresql://..., sqlite:///...) or the path of a journal file."""
     if is_rdb(spec):
         with warnings.catch_warnings():  # heartbeat_interval is "experimental" in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(_sqlalchemy_url(spec), engine_kwargs={"pool_pre_ping": True},
+            return HeartbeatRDBStorage(_sqlalchemy_url(spec), engine_kwargs={"pool_pre_ping": True},
                               heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     path = Path(spec).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)

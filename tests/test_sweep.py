@@ -279,6 +279,26 @@ def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
     assert alive_trial.state == TrialState.RUNNING
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_trial_that_never_beat_is_failed_after_the_grace_period_on_every_storage(tmp_path):
+    """A driver killed between creating a trial and launching it leaves a trial with no heartbeat at
+    all; Optuna's RDB storage alone would never call it stale."""
+    for spec in [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]:
+        name = f"never-beat-{uuid.uuid4().hex[:8]}"
+        storage = open_storage(spec, heartbeat_interval=1, grace_period=2)
+        study = optuna.create_study(study_name=name, storage=storage)
+        try:
+            orphan, beating = study.ask(), study.ask()
+            assert settle_orphans(study) == [], f"{spec}: a trial younger than the grace period was failed"
+            time.sleep(2.5)
+            storage.record_heartbeat(beating._trial_id)
+            assert [t.number for t in settle_orphans(study)] == [orphan.number], spec
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+            assert states == [TrialState.FAIL, TrialState.RUNNING], spec
+        finally:
+            optuna.delete_study(study_name=name, storage=storage)
+
+
 def test_an_orphaned_trial_keeps_a_finished_result_and_fails_otherwise(tmp_path):
     """A trial left RUNNING by a process that died: its summary.json decides, else FAIL with why."""
     study = optuna.create_study(study_name="orphans", storage=open_storage(str(tmp_path / "study.journal")))
