@@ -229,7 +229,10 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
 
 
 @pytest.mark.slow
-def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path):
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]], ids=["once", "twice"])
+def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path, signals):
+    """Preemption or Ctrl-C; a second signal (an impatient user) kills the trial at once, and the
+    trial, the report and the driver's end are still recorded."""
     storage = str(tmp_path / "study.journal")
     driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
                                              f"sweep.storage={storage}", "sweep.study_name=stopped"),
@@ -237,15 +240,24 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
     try:
         wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
         trial = Process.parse(trial_attr(storage, "stopped", "process"))
-        driver.send_signal(signal.SIGTERM)  # preemption, or Ctrl-C
+        for signum in signals:
+            driver.send_signal(signum)
+            time.sleep(0.1)
         output, _ = driver.communicate(timeout=300)
     finally:
         driver.kill()
     assert driver.returncode == 130, output[-3000:]
-    (trial_0,) = load(storage, "stopped").get_trials(deepcopy=False)
+    assert "Traceback" not in output, output[-3000:]
+    study = load(storage, "stopped")
+    (trial_0,) = study.get_trials(deepcopy=False)
     assert trial_0.state == TrialState.FAIL
     assert trial_0.user_attrs["fail_reason"] == "stopped by its driver (interrupted)"
     assert gone(trial)
-    summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
-    assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
-    assert (tmp_path / "out" / "0" / "resume.pt").exists()
+    assert (tmp_path / "out" / "report" / "report.md").exists()
+    records = study._storage.get_study_system_attrs(study._study_id)
+    drivers = [record for key, record in records.items() if key.startswith("driver:")]
+    assert [record["ended"] for record in drivers] == [True]
+    if len(signals) == 1:
+        summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
+        assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
+        assert (tmp_path / "out" / "0" / "resume.pt").exists()

@@ -252,6 +252,8 @@ class Sweep:
         self.start = time.monotonic()
         self.parent_run_id = None
         self.driver = Process.this()
+        self.interrupted = False  # by Ctrl-C or SIGTERM
+        self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
 
     def check_composes(self, config_loader) -> None:
         """Every trial's overrides must compose (keys exist, types fit) before any trial starts."""
@@ -509,7 +511,8 @@ class Sweep:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
         record_driver(self.study, self.driver)
-        threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True).start()
+        self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
+        self.heartbeat.start()
         self.start_tracking()
         log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
                  f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
@@ -520,27 +523,9 @@ class Sweep:
         for i, (slot, event) in enumerate(zip(self.slots, done)):
             threading.Thread(target=self.worker, args=(slot, event), name=f"worker-{i}", daemon=True).start()
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _terminate)
-        status = "FINISHED"
-        try:
-            for event in done:
-                while not event.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
-                    pass
-        except KeyboardInterrupt:
-            status = "KILLED"
-            self.stop_reason = "interrupted"
-            self.stopping.set()
-            if self.launched is not None:
-                self.launched.terminate()
-            deadline = time.monotonic() + self.sweep.grace_period  # then a trial that ignores SIGTERM is killed
-            while not all(event.is_set() for event in done):
-                for process, trial in list(self.processes.items()):  # each trial ends KILLED, recorded FAIL
-                    if process not in self.killed:
-                        self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
-                    elif time.monotonic() > deadline:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(process.pid, signal.SIGKILL)
-                time.sleep(0.2)
+            for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM (preemption, time limits) as Ctrl-C
+                signal.signal(signum, self.interrupt)
+        status = self.wait_for_workers(done)
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
         log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
@@ -555,6 +540,40 @@ class Sweep:
             raise RuntimeError(f"the sweep stopped early: {self.stop_reason}; see each trial's "
                                f"output.log under {self.sweep_dir}")
         return result
+
+    def wait_for_workers(self, done: list[threading.Event]) -> str:
+        """FINISHED when the workers end; KILLED, once every trial is stopped and recorded, on an interrupt."""
+        try:
+            for event in done:
+                while not event.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
+                    pass
+            return "FINISHED"
+        except KeyboardInterrupt:
+            pass
+        self.stop_reason = "interrupted"
+        self.stopping.set()
+        if self.launched is not None:
+            self.launched.terminate()
+        # then a trial that ignores SIGTERM is killed (at once after a second signal)
+        self.kill_deadline = min(self.kill_deadline, time.monotonic() + self.sweep.grace_period)
+        while not all(event.is_set() for event in done):
+            for process, trial in list(self.processes.items()):  # each trial ends KILLED, recorded FAIL
+                if process not in self.killed:
+                    self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
+                elif time.monotonic() > self.kill_deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        return "KILLED"
+
+    def interrupt(self, signum, frame) -> None:
+        """The first Ctrl-C or SIGTERM stops the sweep; a later one kills its trials at once instead of
+        after grace_period. Either way the trials, the report and the MLflow run are recorded."""
+        if self.interrupted:
+            self.kill_deadline = 0.0
+            return
+        self.interrupted = True
+        raise KeyboardInterrupt
 
     def driver_heartbeat(self) -> None:
         """This driver's heartbeat in the study: trials and drivers on other machines see it is alive."""
@@ -581,6 +600,7 @@ class Sweep:
                    "device_utilization": utilization,
                    **{f"trials_{state.lower()}": n for state, n in counts.items()}}
         self.ended.set()
+        self.heartbeat.join()  # a beat in flight must not land after the record that this driver ended
         self.end_tracking(status, metrics, report["files"])
         return report
 
@@ -591,10 +611,6 @@ def search_path_override(config: DictConfig) -> list[str]:
     found += [f"{source.schema}://{source.path}" for source in config.hydra.runtime.config_sources
               if source.provider == "command-line"]
     return ["hydra.searchpath=[" + ",".join(repr(entry) for entry in found) + "]"] if found else []
-
-
-def _terminate(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM (preemption, time limits) stops the sweep like Ctrl-C
 
 
 def _low(dist: BaseDistribution):
