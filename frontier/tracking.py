@@ -166,13 +166,19 @@ def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
     _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
 
 
-def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> None:
-    """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`."""
+def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> dict[str, str]:
+    """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`. Every
+    run is tried; returns why, for each run that could not be closed."""
     client = MlflowClient(tracking_uri(tracking_cfg))
+    failed = {}
     for run_id in run_ids:
-        if _retry(client.get_run, run_id).info.status == "RUNNING":
-            _retry(client.set_tag, run_id, "status", status)
-            _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
+        try:
+            if _retry(client.get_run, run_id).info.status == "RUNNING":
+                _retry(client.set_tag, run_id, "status", status)
+                _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
+        except Exception as err:  # the store is down, or the run was deleted: the others still close
+            failed[run_id] = error_line(err)
+    return failed
 
 
 # -----------------------------------------------------------------------------

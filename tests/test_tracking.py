@@ -315,6 +315,17 @@ def test_sweep_parent_with_nested_trials(tmp_path, store):
     assert client.get_experiment_by_name("elsewhere") is None
 
 
+def test_closing_killed_trials_runs_goes_past_a_run_it_cannot_reach(tmp_path, store):
+    cfg = TrackingConfig(uri=store, experiment="sweeps")
+    parent = tracking.start_parent_run(cfg, "sweep-1", {}, {})
+    client = MlflowClient(store)
+    running = [client.create_run(client.get_run(parent).info.experiment_id).info.run_id for _ in range(2)]
+    failed = tracking.close_runs(cfg, ["0" * 32, *running], "KILLED")
+    assert list(failed) == ["0" * 32] and failed["0" * 32]  # why, in words
+    assert [client.get_run(run_id).info.status for run_id in running] == ["KILLED", "KILLED"]
+    assert client.get_run(parent).info.status == "RUNNING"  # not among the runs to close
+
+
 # -----------------------------------------------------------------------------
 # Failures
 

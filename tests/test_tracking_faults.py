@@ -286,3 +286,33 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     assert_in_mlflow_once(client, run_id, run_dir, same_values=False)
     losses = dict(file_points(records(run_dir))["train/loss"])
     assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == pytest.approx(losses)
+
+
+def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_end(tmp_path, server):
+    """A trial's process died while the tracking server was down: its run is closed once it is back."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from optuna.trial import TrialState
+
+    from frontier.study import end_trial
+    from hydra_plugins.frontier_sweeper._study import Sweep
+
+    client = MlflowClient(server.url)
+    run_id = client.create_run(client.create_experiment("sweeps")).info.run_id
+    overrides = ["model=tiny", "sweep=lr", f"sweep.storage={tmp_path / 'study.journal'}", "sweep.study_name=closing",
+                 "tracking.enabled=true", f"tracking.uri={server.url}", "tracking.experiment=sweeps"]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+            config = compose("config", overrides=overrides, return_hydra_config=True)
+            sweep = Sweep(config, overrides, GlobalHydra.instance().config_loader())
+    finally:
+        GlobalHydra.instance().clear()
+    trial = sweep.study.ask()
+    end_trial(sweep.study, trial._trial_id, TrialState.FAIL, None, {"mlflow_run_id": run_id})
+    server.kill()
+    sweep.close_trial_runs([sweep.study._storage.get_trial(trial._trial_id)])
+    assert sweep.unclosed == {run_id}
+    server.start()
+    sweep.end_tracking("KILLED", {}, [])
+    assert client.get_run(run_id).info.status == "KILLED" and not sweep.unclosed

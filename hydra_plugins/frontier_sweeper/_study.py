@@ -254,6 +254,8 @@ class Sweep:
         self.driver = Process.this()
         self.interrupted = False  # by Ctrl-C or SIGTERM
         self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
+        self.closing = threading.Lock()
+        self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
 
     def check_composes(self, config_loader) -> None:
         """Every trial's overrides must compose (keys exist, types fit) before any trial starts."""
@@ -333,6 +335,7 @@ class Sweep:
 
     def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
         """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
+        self.close_trial_runs([])  # the runs the store could not close before
         with self.locked():
             record_driver(self.study, self.driver, ended=True)
             others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
@@ -347,17 +350,21 @@ class Sweep:
                                     metrics, artifacts)
 
     def close_trial_runs(self, trials: list[FrozenTrial]) -> None:
-        """MLflow runs of FAIL trials whose process died before it could end them: KILLED."""
-        run_ids = [t.user_attrs["mlflow_run_id"] for t in trials
-                   if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id")]
-        if not run_ids or not self.config.tracking.enabled:
+        """MLflow runs of FAIL trials whose process died before it could end them: KILLED. A run the
+        store could not close (it was down) is tried again with the next ones and at the sweep's end."""
+        if not self.config.tracking.enabled:
             return
         from frontier import tracking
 
-        try:
-            tracking.close_runs(OmegaConf.to_object(self.config.tracking), run_ids, "KILLED")
-        except Exception as err:  # the study is right; MLflow catches up when the store is back
-            log.warning(f"could not close the MLflow runs {run_ids}: {type(err).__name__}: {err}")
+        with self.closing:
+            self.unclosed.update(t.user_attrs["mlflow_run_id"] for t in trials
+                                 if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id"))
+            if not self.unclosed:
+                return
+            failed = tracking.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED")
+            for run_id, error in failed.items():
+                log.warning(f"could not close the MLflow run {run_id} yet (tried again later): {error}")
+            self.unclosed = set(failed)
 
     @contextlib.contextmanager
     def locked(self):
