@@ -375,6 +375,15 @@ def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path)
             optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
+def test_a_second_driver_with_other_overrides_is_refused_before_any_trial(compose_sweep, tmp_path):
+    """Two drivers starting together on one study: the second must not overwrite the first's overrides."""
+    args = ["sweep=lr", f"sweep.storage={tmp_path / 'study.journal'}", "sweep.study_name=shared"]
+    compose_sweep(*args)  # running (this process), no trial yet
+    with pytest.raises(ConfigError, match="sweep.study_name='shared' is not allowed: that study's trials run with"):
+        compose_sweep(*args, "optim.weight_decay=0.05")
+    compose_sweep(*args, "tracking.experiment=elsewhere")  # where it is recorded changes no trial
+
+
 def test_the_lock_refuses_a_storage_it_cannot_lock(tmp_path):
     from frontier.study import ask_lock
 

@@ -238,6 +238,7 @@ class Sweep:
         self.check_composes(config_loader)
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        self.driver = Process.this()
         self.study = self.open_study()
         self.command = trainer_command(self.sweep.devices_per_trial)
         self.lock = threading.Lock()  # one ask or tell at a time in this process
@@ -251,7 +252,6 @@ class Sweep:
         self.killed: dict[subprocess.Popen, str] = {}  # trials this driver stopped, and why
         self.start = time.monotonic()
         self.parent_run_id = None
-        self.driver = Process.this()
         self.interrupted = False  # by Ctrl-C or SIGTERM
         self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
         self.closing = threading.Lock()
@@ -274,26 +274,35 @@ class Sweep:
     def open_study(self) -> optuna.Study:
         try:
             # kept for ask_lock: the study wraps an RDBStorage in Optuna's cache, which has no engine
-            self.storage = storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval,
-                                                  self.sweep.grace_period)
-            exists = self.study_name in {s.study_name for s in storage.get_all_studies()}
+            self.storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
+            self.storage.get_all_studies()
         except Exception as err:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
                               f"({error_line(err)}): give a reachable "
                               "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
-        if exists:  # checked before anything is written: a refused command leaves the study as it was
-            study = optuna.load_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
+        # under the study's lock, and this driver recorded in it: a second driver starting at the same
+        # moment with other overrides is refused, not let in to overwrite them
+        with ask_lock(self.storage_spec, self.storage, self.study_name):
+            study = self.load_or_create_study()
+            record_driver(study, self.driver)
+        return study
+
+    def load_or_create_study(self) -> optuna.Study:
+        if self.study_name in {s.study_name for s in self.storage.get_all_studies()}:
+            # checked before anything is written: a refused command leaves the study as it was
+            study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                       pruner=build_pruner(**self.pruner))
             self.objective.check_study(study)
             ran_with = study.user_attrs.get("overrides")
-            if study.trials and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
+            in_use = study.trials or live_drivers(study, self.sweep.grace_period)
+            if in_use and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
                 raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
-                                  f"ran with the overrides {ran_with}, this command has {self.fixed}; "
+                                  f"run with the overrides {ran_with}, this command has {self.fixed}; "
                                   "choose another sweep.study_name")
-        else:  # load_if_exists: another driver may create it at the same moment
-            study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=self.sampler,
+        else:
+            study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                         pruner=build_pruner(**self.pruner), directions=self.objective.directions,
-                                        load_if_exists=True)
+                                        load_if_exists=True)  # a database without a lock: another driver may
             self.objective.check_study(study)
         study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
                                       "space": {k: str(v) for k, v in self.space.items()},
