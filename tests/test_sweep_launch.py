@@ -151,3 +151,40 @@ def test_any_other_launcher_runs_one_trial_per_launch_pinned_to_its_worker(tmp_p
             "++hydra.job.env_set.CUDA_VISIBLE_DEVICES=1"} <= set(overrides)
     assert LaunchedTrials(Recording(JobStatus.FAILED), 1).run([], 7, run_dir, {}, watch) == (1, None)
     assert (run_dir / "output.log").read_text().splitlines()[-1] == "error: RuntimeError: boom"
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_trial_queued_behind_a_blocking_launcher_is_not_taken_for_dead(tmp_path):
+    """Launchers such as Ray's return from launch() only when the job has ended; while it waits in
+    their queue, the driver's other workers must not fail it for silence."""
+    import threading
+    import time
+
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.plugins.launcher import Launcher
+
+    from frontier.study import settle_orphans
+    from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials
+
+    storage = open_storage(str(tmp_path / "study.journal"), heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="queued", storage=storage)
+    trial = study.ask()
+    storage.record_heartbeat(trial._trial_id)  # as the driver does when it launches a trial
+
+    class Queueing(Launcher):
+        def setup(self, **kwargs):
+            pass
+
+        def launch(self, job_overrides, initial_job_idx):
+            time.sleep(5)  # queued well past grace_period, then the job runs and ends
+            return [JobReturn(status=JobStatus.COMPLETED, _return_value=1.0)]
+
+    watch = JobWatch(study, trial, trial_timeout=60, grace_period=2, heartbeat_interval=1)
+    launched = threading.Thread(target=LaunchedTrials(Queueing(), 1).run, args=([], 0, tmp_path, {}, watch))
+    launched.start()
+    settled = []
+    while launched.is_alive():
+        settled += settle_orphans(study)  # what the driver's other workers do before each trial
+        time.sleep(0.5)
+    launched.join()
+    assert settled == [] and study.get_trials()[0].state == TrialState.RUNNING

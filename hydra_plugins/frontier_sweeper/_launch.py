@@ -17,10 +17,12 @@ workers supervise their processes: while a job waits in the scheduler's queue th
 trial's heartbeat (a queued trial is not a dead one); once it runs, a job past `sweep.trial_timeout`
 or silent for `sweep.grace_period` is cancelled and its trial recorded FAIL with why, and Ctrl-C /
 SIGTERM of the sweep cancels the jobs still running (scancel on SLURM). Other launchers go through
-`Launcher.launch`, which returns when the job has ended.
+`Launcher.launch`, which returns when the job has ended: the driver keeps their trial's heartbeat
+until then, and cannot enforce `sweep.trial_timeout` or cancel them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -83,7 +85,7 @@ class LaunchedTrials:
         output = run_dir / "output.log"
         try:
             result = self._submitit(overrides, number, output, watch) if self.submitit else \
-                self.launcher.launch([overrides], initial_job_idx=number)[0]
+                self._blocking(overrides, number, watch)
         except Exception as err:  # the job died (killed, cancelled, node lost) or could not be submitted
             _append(output, f"error: {self.name} job ended without a result: {error_line(err)}")
             return 1, watch.reason or ("stopped by its driver (interrupted)" if self.cancelled else None)
@@ -92,6 +94,23 @@ class LaunchedTrials:
         error = result._return_value
         _append(output, f"error: {type(error).__name__}: {error}")
         return 1, watch.reason
+
+    def _blocking(self, overrides: list[str], number: int, watch: "JobWatch") -> JobReturn:
+        """A launcher whose launch() returns when its job has ended (Ray, joblib) cannot say whether the
+        job waits in a queue, nor stop it: the driver beats for the trial until it returns, or its own
+        workers would take the queued trial for a dead one after grace_period."""
+        returned = threading.Event()
+
+        def beat() -> None:
+            while not returned.wait(watch.interval):
+                with contextlib.suppress(Exception):  # a storage hiccup: the next beat may pass
+                    watch.study._storage.record_heartbeat(watch.trial._trial_id)
+
+        threading.Thread(target=beat, name=f"trial-{number}-heartbeat", daemon=True).start()
+        try:
+            return self.launcher.launch([overrides], initial_job_idx=number)[0]
+        finally:
+            returned.set()
 
     def _submitit(self, overrides: list[str], number: int, output: Path, watch: "JobWatch") -> JobReturn:
         executor = submitit_executor(self.launcher)
