@@ -288,6 +288,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == pytest.approx(losses)
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_end(tmp_path, server):
     """A trial's process died while the tracking server was down: its run is closed once it is back."""
     from hydra import compose, initialize_config_dir
