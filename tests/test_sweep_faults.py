@@ -229,6 +229,32 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
 
 
 @pytest.mark.slow
+def test_a_driver_interrupted_as_its_sweep_starts_leaves_no_trial_running(tmp_path):
+    """SIGTERM the moment the sweep starts, its workers starting or not: exit 130, no traceback, the
+    report written, the driver recorded as ended and no trial left RUNNING."""
+    storage = str(tmp_path / "study.journal")
+    driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=2",
+                                             f"sweep.storage={storage}", "sweep.study_name=early"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in driver.stdout:
+            lines.append(line)
+            if "sweep 'early':" in line:
+                driver.send_signal(signal.SIGTERM)
+                break
+        output = "".join(lines) + driver.communicate(timeout=300)[0]
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    study = load(storage, "early")
+    assert all(t.state == TrialState.FAIL for t in study.get_trials(deepcopy=False))
+    assert (tmp_path / "out" / "report" / "report.md").exists()
+    records = study._storage.get_study_system_attrs(study._study_id)
+    assert [record["ended"] for key, record in records.items() if key.startswith("driver:")] == [True]
+
+
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]], ids=["once", "twice"])
 def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path, signals):
     """Preemption or Ctrl-C; a second signal (an impatient user) kills the trial at once, and the

@@ -524,24 +524,33 @@ class Sweep:
     # -- the whole sweep ------------------------------------------------------------------------
 
     def run(self) -> dict:
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
-        record_driver(self.study, self.driver)
         self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
         self.heartbeat.start()
-        self.start_tracking()
-        log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
-                 f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
-                 f"{safe_storage(self.storage_spec)}, trial outputs in {self.sweep_dir}")
-        self.start = time.monotonic()
-        # an Event per worker, not Thread.join: a join interrupted by Ctrl-C can leave is_alive() wrong
-        done = [threading.Event() for _ in self.slots]
-        for i, (slot, event) in enumerate(zip(self.slots, done)):
-            threading.Thread(target=self.worker, args=(slot, event), name=f"worker-{i}", daemon=True).start()
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM (preemption, time limits) as Ctrl-C
                 signal.signal(signum, self.interrupt)
-        status = self.wait_for_workers(done)
+        # an Event per worker, not Thread.join: a join interrupted by Ctrl-C can leave is_alive() wrong
+        workers: list[tuple[threading.Thread, threading.Event]] = []
+        try:
+            self.sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+            self.start_tracking()
+            log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
+                     f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
+                     f"{safe_storage(self.storage_spec)}, trial outputs in {self.sweep_dir}")
+            self.start = time.monotonic()
+            for i, slot in enumerate(self.slots):
+                done = threading.Event()
+                workers.append((threading.Thread(target=self.worker, args=(slot, done), name=f"worker-{i}",
+                                                 daemon=True), done))
+                workers[-1][0].start()
+            for _, done in workers:
+                while not done.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
+                    pass
+            status = "FINISHED"
+        except KeyboardInterrupt:  # at any moment of the above
+            status = self.stop_workers(workers)
+        self.interrupted = True  # from here a signal changes nothing: the sweep is being recorded
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
         log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
@@ -557,22 +566,16 @@ class Sweep:
                                f"output.log under {self.sweep_dir}")
         return result
 
-    def wait_for_workers(self, done: list[threading.Event]) -> str:
-        """FINISHED when the workers end; KILLED, once every trial is stopped and recorded, on an interrupt."""
-        try:
-            for event in done:
-                while not event.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
-                    pass
-            return "FINISHED"
-        except KeyboardInterrupt:
-            pass
+    def stop_workers(self, workers: list[tuple[threading.Thread, threading.Event]]) -> str:
+        """Ctrl-C or SIGTERM: every trial stopped and recorded, then KILLED."""
         self.stop_reason = "interrupted"
         self.stopping.set()
         if self.launched is not None:
             self.launched.terminate()
         # then a trial that ignores SIGTERM is killed (at once after a second signal)
         self.kill_deadline = min(self.kill_deadline, time.monotonic() + self.sweep.grace_period)
-        while not all(event.is_set() for event in done):
+        # a worker interrupted before its thread started has nothing to wait for
+        while not all(done.is_set() or thread.ident is None for thread, done in workers):
             for process, trial in list(self.processes.items()):  # each trial ends KILLED, recorded FAIL
                 if process not in self.killed:
                     self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
