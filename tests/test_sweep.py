@@ -283,7 +283,7 @@ def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
 def test_a_trial_that_never_beat_is_failed_after_the_grace_period_on_every_storage(tmp_path):
     """A driver killed between creating a trial and launching it leaves a trial with no heartbeat at
     all; Optuna's RDB storage alone would never call it stale."""
-    for spec in [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]:
+    for spec in every_storage(tmp_path):
         name = f"never-beat-{uuid.uuid4().hex[:8]}"
         storage = open_storage(spec, heartbeat_interval=1, grace_period=2)
         study = optuna.create_study(study_name=name, storage=storage)
@@ -331,6 +331,11 @@ def storages(tmp_path: Path) -> list[str]:
     return found
 
 
+def every_storage(tmp_path: Path) -> list[str]:
+    """Those, and SQLite, which takes its study lock beside the database file."""
+    return [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]
+
+
 @pytest.mark.parametrize("sampler", ["random", "tpe"])
 def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, sampler):
     for storage in storages(tmp_path):
@@ -354,7 +359,7 @@ def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, s
 def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path):
     """The lock around "count, then ask" and the parent run's creation; a lock not taken on an RDB
     once let two drivers starting together each open a parent run."""
-    for storage in [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]:
+    for storage in every_storage(tmp_path):
         name = f"lock-{uuid.uuid4().hex[:8]}"
         args = ["sweep=lr", f"sweep.storage={storage}", f"sweep.study_name={name}"]
         first, second = compose_sweep(*args), compose_sweep(*args)

@@ -228,6 +228,12 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
         optuna.delete_study(study_name=name, storage=postgres)
 
 
+def drivers_ended(study: optuna.Study) -> list[bool]:
+    """Whether each driver of the study recorded its end."""
+    records = study._storage.get_study_system_attrs(study._study_id)
+    return [record["ended"] for key, record in records.items() if key.startswith("driver:")]
+
+
 @pytest.mark.slow
 def test_a_driver_interrupted_as_its_sweep_starts_leaves_no_trial_running(tmp_path):
     """SIGTERM the moment the sweep starts, its workers starting or not: exit 130, no traceback, the
@@ -251,10 +257,10 @@ def test_a_driver_interrupted_as_its_sweep_starts_leaves_no_trial_running(tmp_pa
     study = load(storage, "early")
     assert all(t.state == TrialState.FAIL for t in study.get_trials(deepcopy=False))
     assert (tmp_path / "out" / "report" / "report.md").exists()
-    records = study._storage.get_study_system_attrs(study._study_id)
-    assert [record["ended"] for key, record in records.items() if key.startswith("driver:")] == [True]
+    assert drivers_ended(study) == [True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]], ids=["once", "twice"])
 def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path, signals):
     """Preemption or Ctrl-C; a second signal (an impatient user) kills the trial at once, and the
@@ -280,9 +286,7 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
     assert trial_0.user_attrs["fail_reason"] == "stopped by its driver (interrupted)"
     assert gone(trial)
     assert (tmp_path / "out" / "report" / "report.md").exists()
-    records = study._storage.get_study_system_attrs(study._study_id)
-    drivers = [record for key, record in records.items() if key.startswith("driver:")]
-    assert [record["ended"] for record in drivers] == [True]
+    assert drivers_ended(study) == [True]
     if len(signals) == 1:
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary

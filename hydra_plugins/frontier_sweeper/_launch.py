@@ -104,7 +104,7 @@ class LaunchedTrials:
         def beat() -> None:
             while not returned.wait(watch.interval):
                 with contextlib.suppress(Exception):  # a storage hiccup: the next beat may pass
-                    watch.study._storage.record_heartbeat(watch.trial._trial_id)
+                    watch.beat()
 
         threading.Thread(target=beat, name=f"trial-{number}-heartbeat", daemon=True).start()
         try:
@@ -167,20 +167,23 @@ class JobWatch:
         self.next_check = 0.0
         self.reason: str | None = None
 
+    def beat(self) -> None:
+        """The trial's heartbeat, sent for it while its job cannot."""
+        self.study._storage.record_heartbeat(self.trial._trial_id)
+
     def stop_reason(self, queued: bool) -> str | None:
         """Why to stop the job now (recorded FAIL first: a cancelled job cannot), or None."""
         now = time.monotonic()
         if now < self.next_check:
             return None
         self.next_check = now + self.interval
-        storage = self.study._storage
         if queued:
-            storage.record_heartbeat(self.trial._trial_id)
+            self.beat()
             return None
         self.started = self.started or now
         if now - self.started > self.trial_timeout:
             reason = f"killed by its driver: it ran past sweep.trial_timeout={self.trial_timeout:g} s"
-        elif self.trial._trial_id in storage._get_stale_trial_ids(self.study._study_id):
+        elif self.trial._trial_id in self.study._storage._get_stale_trial_ids(self.study._study_id):
             reason = f"killed by its driver: it sent no heartbeat for sweep.grace_period={self.grace_period} s"
         else:
             return None

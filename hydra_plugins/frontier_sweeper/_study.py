@@ -252,7 +252,7 @@ class Sweep:
         self.killed: dict[subprocess.Popen, str] = {}  # trials this driver stopped, and why
         self.start = time.monotonic()
         self.parent_run_id = None
-        self.interrupted = False  # by Ctrl-C or SIGTERM
+        self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
         self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
         self.closing = threading.Lock()
         self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
@@ -299,10 +299,10 @@ class Sweep:
                 raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
                                   f"run with the overrides {ran_with}, this command has {self.fixed}; "
                                   "choose another sweep.study_name")
-        else:
+        else:  # load_if_exists: on a database ask_lock cannot lock, another driver may create it meanwhile
             study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                         pruner=build_pruner(**self.pruner), directions=self.objective.directions,
-                                        load_if_exists=True)  # a database without a lock: another driver may
+                                        load_if_exists=True)
             self.objective.check_study(study)
         study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
                                       "space": {k: str(v) for k, v in self.space.items()},
@@ -524,11 +524,8 @@ class Sweep:
     # -- the whole sweep ------------------------------------------------------------------------
 
     def run(self) -> dict:
-        self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
         self.heartbeat.start()
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM (preemption, time limits) as Ctrl-C
-                signal.signal(signum, self.interrupt)
+        _on_signals(self.interrupt)
         # an Event per worker, not Thread.join: a join interrupted by Ctrl-C can leave is_alive() wrong
         workers: list[tuple[threading.Thread, threading.Event]] = []
         try:
@@ -550,7 +547,7 @@ class Sweep:
             status = "FINISHED"
         except KeyboardInterrupt:  # at any moment of the above
             status = self.stop_workers(workers)
-        self.interrupted = True  # from here a signal changes nothing: the sweep is being recorded
+        _on_signals(self.hasten)  # the sweep is being recorded: a signal changes nothing now
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
         log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
@@ -586,13 +583,14 @@ class Sweep:
         return "KILLED"
 
     def interrupt(self, signum, frame) -> None:
-        """The first Ctrl-C or SIGTERM stops the sweep; a later one kills its trials at once instead of
-        after grace_period. Either way the trials, the report and the MLflow run are recorded."""
-        if self.interrupted:
-            self.kill_deadline = 0.0
-            return
-        self.interrupted = True
+        """The first Ctrl-C or SIGTERM stops the sweep (stop_workers); the trials, the report and the
+        MLflow run are recorded whatever signals follow."""
+        _on_signals(self.hasten)
         raise KeyboardInterrupt
+
+    def hasten(self, signum, frame) -> None:
+        """A later Ctrl-C or SIGTERM: trials still running are killed at once, not after grace_period."""
+        self.kill_deadline = 0.0
 
     def driver_heartbeat(self) -> None:
         """This driver's heartbeat in the study: trials and drivers on other machines see it is alive."""
@@ -630,6 +628,13 @@ def search_path_override(config: DictConfig) -> list[str]:
     found += [f"{source.schema}://{source.path}" for source in config.hydra.runtime.config_sources
               if source.provider == "command-line"]
     return ["hydra.searchpath=[" + ",".join(repr(entry) for entry in found) + "]"] if found else []
+
+
+def _on_signals(handler) -> None:
+    """Ctrl-C and SIGTERM (preemption, time limits) alike; Python takes signals in the main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, handler)
 
 
 def _low(dist: BaseDistribution):
