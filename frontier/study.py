@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import time
 import warnings
@@ -45,12 +46,17 @@ def is_rdb(spec: str) -> bool:
 
 
 def safe_storage(spec: str) -> str:
-    """The storage URL without its password, for logs and MLflow."""
+    """The storage URL without its password, for logs, MLflow and error messages (where the URL
+    may be malformed: then whatever stands between :// and @ is hidden)."""
     if not is_rdb(spec):
         return spec
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    return make_url(spec).render_as_string(hide_password=True)
+    try:
+        return make_url(spec).render_as_string(hide_password=True)
+    except ArgumentError:
+        return re.sub(r"://[^@/]*@", "://***@", spec)
 
 
 def _sqlalchemy_url(url: str) -> str:

@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier.config import error_line  # noqa: E402
+from frontier.cli import check_writable_path  # noqa: E402
+from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.study import is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
@@ -268,6 +269,11 @@ def main(argv: list[str]) -> int:
         print(f"error: storage={safe_storage(storage)!r} is not reachable ({error_line(err)})", file=sys.stderr)
         return 2
     out = Path(args.get("out") or Path(study.user_attrs.get("sweep_dir", ".")) / "report")
+    try:
+        check_writable_path("out", out)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     report = write_report(study, out)
     print(report["text"])
     print(f"files: {', '.join(str(f) for f in report['files'])}")

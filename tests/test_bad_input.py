@@ -125,6 +125,9 @@ BAD = [
     (["--multirun", "sweep=lr", "sweep.params.optim.matrix_lr=foo(1)"], "'sweep.params.optim.matrix_lr=foo(1)' is "
                                                                        "not allowed: it is not an override"),
     (["--multirun", "sweep=lr", "sweep.n_jobs=999"], "sweep.n_jobs=999 is not allowed: this machine has"),
+    (["--multirun", "sweep=lr", "model.depth=range(4,4)"], "'model.depth=range(4,4)' is not a valid search space "
+                                                           "(the range holds no values)"),
+    (["--multirun", "sweep=lr", "sweep.storage=://x"], "sweep.storage='://x' is not reachable"),
 ]
 
 
@@ -138,7 +141,7 @@ def isolated(folder) -> list[str]:
 def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
     options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
     overrides = [arg for arg in args if arg not in options]
-    if "sweep=lr" in overrides:  # the study's storage too
+    if "sweep=lr" in overrides and not any(o.startswith("sweep.storage=") for o in overrides):  # the study's too
         overrides.append(f"sweep.storage={tmp_path}/study.journal")
     result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides], timeout=120)
     lines = result.stderr.splitlines()
@@ -182,6 +185,7 @@ def test_showing_commands_still_work():
     ("frontier.eval", ["foo=1"], "'foo'"),
     ("frontier.leaderboard", ["foo=1"], "'foo'"),
     ("frontier.sweep_report", ["study=s", "foo=1"], "foo=1"),
+    ("frontier.sweep_report", ["study=s", "storage=://x"], "storage='://x' is not reachable"),
     ("frontier.model_card", ["model.foo=1"], "'foo'"),
     ("frontier.model_card", ["--no-such-flag"], "--no-such-flag"),
 ])
@@ -191,6 +195,22 @@ def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, 
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], result.stderr
+
+
+def test_a_sweep_report_out_that_cannot_be_created_is_one_sentence(tmp_path):
+    import optuna
+
+    from frontier.study import open_storage
+
+    storage = tmp_path / "study.journal"
+    optuna.create_study(study_name="s", storage=open_storage(str(storage)))
+    (tmp_path / "a_file").write_text("")
+    result = subprocess.run([sys.executable, "-m", "frontier.sweep_report", "study=s", f"storage={storage}",
+                             f"out={tmp_path / 'a_file' / 'r'}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: out={tmp_path / 'a_file' / 'r'} is not allowed: it cannot be created (Not a " \
+                            f"directory); {tmp_path / 'a_file'} is not a writable directory\n"
 
 
 def test_an_omegaconf_error_inside_the_task_is_a_bug_not_a_mistake_of_the_command_line():

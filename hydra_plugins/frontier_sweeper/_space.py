@@ -31,6 +31,8 @@ def distribution(override: Override) -> BaseDistribution:
             return CategoricalDistribution(list(override.sweep_iterator()))
     if override.is_range_sweep():
         values = list(override.sweep_iterator())
+        if not values:
+            raise ValueError("the range holds no values")
         if all(isinstance(v, int) for v in values):
             return IntDistribution(values[0], values[-1], step=value.step)
         return FloatDistribution(values[0], round(values[0] + value.step * (len(values) - 1), 12),
