@@ -31,6 +31,7 @@ class BudgetClock:
         self.charged_tokens = 0.0
         self.earlier_launches: list[float] = []  # excluded seconds of each earlier launch
         self.launch_steps = 0  # steps taken by this process launch
+        self.launch_charged = 0.0
         self.launch_excluded = 0.0
 
     @contextlib.contextmanager
@@ -49,6 +50,7 @@ class BudgetClock:
             forgiven = max(min(seconds, self.cfg.startup_cap_seconds - self.launch_excluded), 0.0)
             self.launch_excluded += forgiven
         self.charged += seconds - forgiven
+        self.launch_charged += seconds - forgiven
         if seconds > 0:
             self.charged_tokens += tokens * (seconds - forgiven) / seconds
 
@@ -86,4 +88,4 @@ class BudgetClock:
         self.steps, self.charged = state["steps"], state["charged"]
         self.charged_tokens = state["charged_tokens"]
         self.earlier_launches = list(state["excluded_per_launch"])
-        self.launch_steps, self.launch_excluded = 0, 0.0
+        self.launch_steps, self.launch_charged, self.launch_excluded = 0, 0.0, 0.0

@@ -32,8 +32,15 @@ def save_final(path: Path, model: GPT, config: dict, tokenizer: Tokenizer) -> No
         "tokenizer_fingerprint": tokenizer.fingerprint(),
     }
     tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
+    write_torch(payload, tmp)
     os.replace(tmp, path)
+
+
+def write_torch(payload, path: Path) -> None:
+    """torch.save into a file Python opened: when the disk fills up, torch's own error then carries the
+    OSError (errno ENOSPC) it was raised from; writing to a path, it says only "unexpected pos"."""
+    with open(path, "wb") as file:
+        torch.save(payload, file)
 
 
 class CheckpointError(ConfigError):

@@ -211,13 +211,24 @@ def atomic_write(path: Path, write) -> None:
 
 @contextlib.contextmanager
 def writing(path: Path, *temporaries: Path) -> Iterator[None]:
-    """A failed write (full disk, unwritable folder) becomes RunWriteError naming `path`, and the
-    half-written `temporaries` are removed."""
+    """A failed write (full disk, unwritable folder) becomes RunWriteError naming `path`; whatever
+    stops the write (a second signal too), the half-written `temporaries` are removed."""
     try:
         yield
-    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+    except BaseException as err:
         for tmp in temporaries:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        reason = os.strerror(err.errno) if getattr(err, "errno", None) else (str(err).splitlines() or [""])[0]
-        raise RunWriteError(f"cannot write {path}: {reason}") from None
+        if not isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            raise
+        raise RunWriteError(f"cannot write {path}: {write_failure(err)}") from None
+
+
+def write_failure(err: BaseException) -> str:
+    """The OS's reason ("No space left on device") where the error or one it was raised from has one."""
+    cause = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return os.strerror(cause.errno)
+        cause = cause.__cause__ or cause.__context__
+    return (str(err).splitlines() or [""])[0]

@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from frontier import lifecycle
 from frontier.budget import BudgetClock
-from frontier.checkpoint import read_checkpoint, save_final
-from frontier.config import Config, ConfigError, register_schemas, to_config
+from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, write_torch
+from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
 from frontier.core import core_metrics
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
 from frontier.device import Device, resolve_device
@@ -224,8 +224,8 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
     loop_start = time.perf_counter()
     run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
     while not clock.done:
-        if check_stop and run.world.any(lifecycle.stop_requested() is not None):
-            return lifecycle.stop_requested() or "stopped because another rank was interrupted"
+        if check_stop and agreed_stop(run):
+            break
         with clock.step(cfg.train.batch_tokens):
             loss = train_step(run)
         run.tokens_seen += cfg.train.batch_tokens
@@ -234,7 +234,10 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         if cfg.compile_only and clock.launch_steps >= max(cfg.budget.excluded_steps, 1):
             break
         progress = clock.progress
-        logged = progress >= next_log - 1e-9 or clock.done
+        # A single process also logs the step a stop arrived in, so no step's loss is left out; data-parallel
+        # ranks check for a stop only at the cadence (the mean below is a collective), so they need not.
+        stopping = not run.world.active and lifecycle.stop_requested() is not None
+        logged = progress >= next_log - 1e-9 or clock.done or stopping
         check_stop = logged or not run.world.active
         if logged:
             mean_loss = run.world.mean((loss_sum / loss_count).item())  # the only host sync, at the log cadence
@@ -277,10 +280,18 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
             save_resume(run)
             next_save = next_mark(progress, save_every)
     run.summary["loop_wall_seconds"] = time.perf_counter() - loop_start
+    return agreed_stop(run)  # so a stop during the last step also ends the run here, before any final evaluation
+
+
+def agreed_stop(run: Run) -> str | None:
+    """Why the run must stop now, if any rank was asked to (a collective in a data-parallel run)."""
+    if run.world.any(lifecycle.stop_requested() is not None):
+        return lifecycle.stop_requested() or "stopped because another rank was interrupted"
     return None
 
 
 RESUMED_SUMMARY_KEYS = ("mlflow_run_id", "resumed")
+RESUME_KEYS = ("config", "model", "optimizers", "clock", "loader", "rng", "tokens_seen", "summary")
 
 
 def save_resume(run: Run) -> None:
@@ -295,16 +306,20 @@ def save_resume(run: Run) -> None:
         "tokens_seen": run.tokens_seen,
         "summary": {k: run.summary[k] for k in RESUMED_SUMMARY_KEYS if k in run.summary},
     }
-    lifecycle.atomic_write(run.run_dir / "resume.pt", lambda tmp: torch.save(state, tmp))
+    lifecycle.atomic_write(run.run_dir / "resume.pt", lambda tmp: write_torch(state, tmp))
 
 
 def restore(run: Run, state: dict) -> None:
-    run.model.load_state_dict(state["model"])
-    for opt, saved in zip(run.optimizers, state["optimizers"]):
-        opt.load_state_dict(saved)
-    run.clock.load_state_dict(state["clock"])
-    run.loader.load_state_dict(state["loader"])
-    torch.set_rng_state(state["rng"])
+    try:
+        run.model.load_state_dict(state["model"])
+        for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        run.clock.load_state_dict(state["clock"])
+        run.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:  # weights or state of another shape
+        raise CheckpointError(f"resume={run.run_dir / 'resume.pt'} is not allowed: its saved state does not fit "
+                              f"the run its config builds ({error_line(err)})") from None
     run.tokens_seen = state["tokens_seen"]
 
 
@@ -336,8 +351,12 @@ def resume_point(resume: str, tracking_cfg) -> tuple[DictConfig, Path, dict]:
     if not path.is_file():
         raise ConfigError(f"resume={resume} is not allowed: {path} does not exist (the run wrote no checkpoint "
                           "yet, or it finished)")
-    state = read_checkpoint(path, "resume=", keys=("config", "model", "optimizers", "clock", "loader", "rng"))
-    raw = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+    state = read_checkpoint(path, "resume=", keys=RESUME_KEYS)
+    try:
+        raw = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+    except Exception as err:  # a resume.pt of another version, or edited: its config is not this schema's
+        raise CheckpointError(f"resume={path} is not allowed: its saved config does not fit this version's "
+                              f"schema ({error_line(err)})") from None
     raw.resume = None
     return raw, run_dir, state
 
@@ -360,7 +379,8 @@ def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
         "budget_utilization": clock.charged / cfg.budget.seconds,
     })
     if summary.get("loop_wall_seconds"):  # how much of the loop's wall time went into training steps
-        summary["step_time_fraction"] = (clock.charged + clock.launch_excluded) / summary["loop_wall_seconds"]
+        stepping = clock.launch_charged + clock.launch_excluded  # this launch's steps, as loop_wall_seconds is
+        summary["step_time_fraction"] = stepping / summary["loop_wall_seconds"]
     if (summary["mfu"] or 0) > 1:
         summary["mfu_note"] = (f"mfu {summary['mfu']:.2f} is above 1: the peak ({summary['peak_flops_source']}) "
                                "is lower than what this run reached; compare mfu only between runs on this machine")

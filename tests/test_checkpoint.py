@@ -97,3 +97,19 @@ def test_resume_refuses_a_damaged_resume_pt(tmp_path, final_pt, damage, reason):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"error: resume={resume_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
+
+
+def test_resume_refuses_a_resume_pt_whose_config_is_not_this_versions(tmp_path):
+    from frontier.trainer import RESUME_KEYS
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    state = {key: {} for key in RESUME_KEYS}
+    state["config"] = {"model": {"depth": 2, "no_such_knob": 1}}  # a later version's, or an edited file
+    torch.save(state, run_dir / "resume.pt")
+    result = run_cli([f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: resume={run_dir / 'resume.pt'} is not allowed: its saved config does not fit this version's schema")
+    assert sorted(path.name for path in run_dir.iterdir()) == ["resume.pt"]  # the run's own records untouched
