@@ -142,6 +142,13 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             check_run(app, cfg, overrides, check)
             check_writable(cfg, "hydra.run.dir")
             return
+        for override in overrides:  # Hydra would drop these silently: the defaults would run
+            if override.is_sweep_override() and (override.key_or_group == "sweep"
+                                                 or override.key_or_group.startswith("sweep.")):
+                raise ConfigError(f"{override.input_line} is not allowed: a sweep's own settings cannot be "
+                                  "swept (one preset and one value of each sweep.* key per sweep); sweep over "
+                                  "the trials' keys instead, e.g. model=base,wide or "
+                                  "'optim.matrix_lr=interval(0.01,0.1)'")
         master = app.compose(overrides, RunMode.MULTIRUN)
         check_writable(master, "hydra.sweep.dir")
         if master.get("sweep") is not None:  # an Optuna search: its sweeper checks its trials

@@ -128,6 +128,13 @@ BAD = [
     (["--multirun", "sweep=lr", "model.depth=range(4,4)"], "'model.depth=range(4,4)' is not a valid search space "
                                                            "(the range holds no values)"),
     (["--multirun", "sweep=lr", "sweep.storage=://x"], "sweep.storage='://x' is not reachable"),
+    # --multirun: a sweep's own settings are not swept
+    (["--multirun", "sweep=lr,arch"], "sweep=lr,arch is not allowed: a sweep's own settings cannot be swept"),
+    (["--multirun", "sweep=lr", "sweep.sampler=tpe,bogus"], "sweep.sampler=tpe,bogus is not allowed: a sweep's own "
+                                                            "settings cannot be swept"),
+    (["--multirun", "sweep=lr", "sweep.n_jobs=1,999"], "sweep.n_jobs=1,999 is not allowed: a sweep's own settings"),
+    (["--multirun", "sweep=lr", "sweep.params.optim.matrix_lr=interval(0.01,0.1)"],
+     "sweep.params.optim.matrix_lr=interval(0.01,0.1) is not allowed: a sweep's own settings cannot be swept"),
 ]
 
 
