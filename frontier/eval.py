@@ -3,6 +3,7 @@ val_bpb) of a finished run, logged to its MLflow run as `core`, `core_tasks` and
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,11 +71,28 @@ def main(argv: list[str]) -> dict:
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     if run_id is not None and command.tracking.enabled:
-        from frontier.tracking import log_metrics_to_run
-
-        log_metrics_to_run(command.tracking, run_id, metrics)
-        print(f"logged to MLflow run {run_id}")
+        log_to_run(command, path, run_id, metrics)
     return metrics
+
+
+class NotLogged(Exception):
+    """The figures were computed and printed, but the run's MLflow store did not take them."""
+
+
+def log_to_run(command: EvalCommand, path: Path, run_id: str, metrics: dict) -> None:
+    """Into the store the run was tracked in: `tracking.uri` when given, else the one its run directory
+    recorded (tracking.json beside the checkpoint), else the default store."""
+    from frontier.tracking import log_metrics_to_run, read_ack, tracking_uri
+
+    given = command.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = tracking_uri(command.tracking) if given or command.run_id else read_ack(path.parent).get("uri")
+    uri = uri or tracking_uri(command.tracking)
+    try:
+        log_metrics_to_run(uri, run_id, metrics)
+    except Exception as err:  # a store that is down, or that does not hold the run
+        raise NotLogged(f"not logged to MLflow run {run_id} in {uri} ({error_line(err)}); the figures above "
+                        "are the result") from None
+    print(f"logged to MLflow run {run_id}")
 
 
 def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -> dict:
@@ -102,6 +120,9 @@ def cli() -> None:
     except (ConfigError, CoreBundleError, DataError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except NotLogged as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -497,9 +497,9 @@ def checkpoint_of_run(tracking_cfg, run_id: str) -> Path:
     return Path(folder) / "final.pt"
 
 
-def log_metrics_to_run(tracking_cfg, run_id: str, metrics: dict) -> None:
-    """Adds metrics to an existing run (finished or not), e.g. CORE computed later."""
-    client = MlflowClient(tracking_uri(tracking_cfg))
+def log_metrics_to_run(uri: str, run_id: str, metrics: dict) -> None:
+    """Adds metrics to an existing run (finished or not) in the store at `uri`, e.g. CORE computed later."""
+    client = MlflowClient(uri)
     now = _now_ms()
     _log_metrics(client, run_id, [Metric(k, float(v), now, 0) for k, v in metrics.items()
                                   if _is_number(v) and math.isfinite(v)])

@@ -92,3 +92,20 @@ def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
     assert f"logged to MLflow run {run_id}" in result.stdout
     metrics = MlflowClient(uri).get_run(run_id).data.metrics
     assert metrics["core_tasks"] == 18 and "core" in metrics and "core/arc_easy" in metrics
+    metrics_before = len(MlflowClient(uri).get_metric_history(run_id, "core"))
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'run' / 'final.pt'}",
+                               "device=cpu", f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=1", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    # By checkpoint, with no tracking.uri: into the store the run recorded, not the default one
+    result = evaluate()
+    assert result.returncode == 0 and f"logged to MLflow run {run_id}" in result.stdout, result.stderr
+    assert len(MlflowClient(uri).get_metric_history(run_id, "core")) == metrics_before + 1
+    # A store that does not hold the run: the figures are printed, then one line says they were not logged
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    result = evaluate(f"tracking.uri={other}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "core_tasks: 18" in result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: not logged to MLflow run {run_id} in {other}")
