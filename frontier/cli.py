@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
-from frontier.config import ConfigError, check_keys, error_line, key_hint, register_schemas, to_config
+from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -151,8 +151,8 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                   "'optim.matrix_lr=interval(0.01,0.1)'")
         master = app.compose(overrides, RunMode.MULTIRUN)
         check_writable(master, "hydra.sweep.dir")
-        if master.get("sweep") is not None:  # an Optuna search: its sweeper checks its trials
-            check_keys_only(app, master, overrides)
+        if master.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides,
+            check_run(app, master, overrides, check)  # and its sweeper checks the trials' values
             return
         for point in grid(master, overrides):  # Hydra's grid: every point must be a valid run
             check_run(app, app.compose(point, RunMode.RUN), point, check)
@@ -278,16 +278,6 @@ def check_run(app: Composer, cfg: DictConfig, overrides: list[Override],
         if check is not None:
             check(task_cfg)
     except OmegaConfBaseException as err:  # a deleted required key, an interpolation that fails
-        raise ConfigError(explain_value(app, err, overrides, cfg)) from None
-
-
-def check_keys_only(app: Composer, cfg: DictConfig, overrides: list[Override]) -> None:
-    """Keys and numbers of a search's base config, and its sweep.* values; the trials' values are
-    the sweeper's to check."""
-    try:
-        check_keys(task_part(cfg))
-        OmegaConf.to_object(cfg.sweep)  # SweepConfig's range checks
-    except OmegaConfBaseException as err:
         raise ConfigError(explain_value(app, err, overrides, cfg)) from None
 
 

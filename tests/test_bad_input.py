@@ -128,6 +128,11 @@ BAD = [
     (["--multirun", "sweep=lr", "model.depth=range(4,4)"], "'model.depth=range(4,4)' is not a valid search space "
                                                            "(the range holds no values)"),
     (["--multirun", "sweep=lr", "sweep.storage=://x"], "sweep.storage='://x' is not reachable"),
+    (["--multirun", "sweep=lr", "data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
+    (["--multirun", "sweep=lr", "model.depth=range(-4,-2)"], "model.depth=-4 is not allowed: must be a positive "
+                                                             "integer, in a trial of this search (model=tiny"),
+    (["--multirun", "sweep=lr", "schedule.warmdown_fraction=interval(0.5,1.5)"],
+     "schedule.warmdown_fraction=1.5 is not allowed: must be between 0 and 1, in a trial of this search"),
     # --multirun: a sweep's own settings are not swept
     (["--multirun", "sweep=lr,arch"], "sweep=lr,arch is not allowed: a sweep's own settings cannot be swept"),
     (["--multirun", "sweep=lr", "sweep.sampler=tpe,bogus"], "sweep.sampler=tpe,bogus is not allowed: a sweep's own "

@@ -291,3 +291,30 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
         assert (tmp_path / "out" / "0" / "resume.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_run(tmp_path):
+    """Every trial diverges: the sweep stops after the first (sweep.max_failures=0), says why in one
+    line, exits 1, and its MLflow parent run ends FAILED."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, *SHORT, "sweep=custom",
+                           "sweep.sampler=grid", "sweep.pruner=none", "optim.matrix_lr=1e9,2e9",
+                           "sweep.max_failures=0", f"sweep.storage={tmp_path / 'study.journal'}",
+                           "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=failures",
+                           f"hydra.sweep.dir={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the sweep stopped early: 1 trials failed (sweep.max_failures=0); see each trial's output.log "
+        f"under {tmp_path / 'out'}")
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [done.stderr.strip()
+                                                                                  .splitlines()[-1]]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("failures").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+    assert parent.info.status == "FAILED"

@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.config import ConfigError, SweepConfig, error_line
+from frontier.cli import task_part
+from frontier.config import ConfigError, SweepConfig, error_line, to_config
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
@@ -258,18 +259,21 @@ class Sweep:
         self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
 
     def check_composes(self, config_loader) -> None:
-        """Every trial's overrides must compose (keys exist, types fit) before any trial starts."""
+        """Every trial's overrides must compose (keys exist, types fit) and pass a run's range checks
+        before any trial starts: the lowest point, then each choice and each upper end in turn."""
         first = {key: _low(dist) for key, dist in self.space.items()}
-        batches = [first] + [{**first, key: choice} for key, dist in self.space.items()
-                             if isinstance(dist, optuna.distributions.CategoricalDistribution)
-                             for choice in dist.choices]
+        batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
         for params in batches:
             overrides = self.fixed + [as_override(k, v) for k, v in params.items()]
             try:
-                config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
+                trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:
                 raise ConfigError(f"the trial overrides {' '.join(overrides)} do not compose: "
                                   f"{error_line(err, named=False)}") from None
+            try:
+                to_config(task_part(trial_config))
+            except ConfigError as err:  # e.g. a range reaching a depth of 0
+                raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
 
     def open_study(self) -> optuna.Study:
         try:
@@ -553,14 +557,16 @@ class Sweep:
         log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
                  f"{utilization:.0%} ({self.busy_seconds:.0f} busy of {wall * len(self.slots):.0f} "
                  "device-seconds)")
-        result = self.report(status if not self.errors else "FAILED", utilization)
+        too_many = self.failures > self.sweep.max_failures
+        result = self.report("FAILED" if self.errors or (too_many and status == "FINISHED") else status, utilization)
         if status == "KILLED":
             raise SystemExit(130)  # the trials and the report are recorded: no traceback needed
         if self.errors:
             raise self.errors[0]
-        if self.failures > self.sweep.max_failures:
-            raise RuntimeError(f"the sweep stopped early: {self.stop_reason}; see each trial's "
-                               f"output.log under {self.sweep_dir}")
+        if too_many:  # the trials' own logs say why: one line here
+            print(f"error: the sweep stopped early: {self.stop_reason}; see each trial's output.log under "
+                  f"{self.sweep_dir}", file=sys.stderr)
+            raise SystemExit(1)
         return result
 
     def stop_workers(self, workers: list[tuple[threading.Thread, threading.Event]]) -> str:
@@ -639,6 +645,11 @@ def _on_signals(handler) -> None:
 
 def _low(dist: BaseDistribution):
     return dist.choices[0] if isinstance(dist, optuna.distributions.CategoricalDistribution) else dist.low
+
+
+def _ends(dist: BaseDistribution) -> list:
+    """The values a check tries beside the lowest: every choice, or the upper end."""
+    return list(dist.choices) if isinstance(dist, optuna.distributions.CategoricalDistribution) else [dist.high]
 
 
 def _comparable(overrides: list[str]) -> list[str]:
