@@ -381,11 +381,18 @@ def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path)
 
 
 def test_a_second_driver_with_other_overrides_is_refused_before_any_trial(compose_sweep, tmp_path):
-    """Two drivers starting together on one study: the second must not overwrite the first's overrides."""
+    """Two drivers starting together on one study: the second must not overwrite the first's overrides,
+    nor its pruner, its space, nor its sampler's proposals."""
     args = ["sweep=lr", f"sweep.storage={tmp_path / 'study.journal'}", "sweep.study_name=shared"]
     compose_sweep(*args)  # running (this process), no trial yet
     with pytest.raises(ConfigError, match="sweep.study_name='shared' is not allowed: that study's trials run with"):
         compose_sweep(*args, "optim.weight_decay=0.05")
+    space = {"optim.matrix_lr": "interval(0.01, 0.1)"}
+    for change, params, what in [("sweep.pruner=median", None, "sweep.pruner"), ("sweep.seed=1", None, "sweep.seed"),
+                                 ("sweep.sampler=random", None, "sweep.sampler"),
+                                 ("tracking.experiment=x", space, "the search space")]:
+        with pytest.raises(ConfigError, match=f"that study's trials run with {what} "):
+            compose_sweep(*args, change, params=params)
     compose_sweep(*args, "tracking.experiment=elsewhere")  # where it is recorded changes no trial
 
 

@@ -70,10 +70,22 @@ def gone(process: Process) -> bool:
 
 
 def existing_study(storage: Path) -> None:
-    """A study whose trial ran with other overrides than the command below."""
+    """A study whose trial ran as the command below runs without `args`: its overrides, the lr
+    preset's space, the random sampler, seed 0 and no pruner, as its driver recorded them."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.frontier_sweeper._space import parse
+
+    space, _ = parse(OmegaConf.to_container(OmegaConf.load(ROOT / "sweeps" / "lr.yaml").params), [])
     study = optuna.create_study(study_name="changed", storage=open_storage(str(storage)))
-    study.set_user_attr("overrides", ["model=tiny", "optim.matrix_lr=0.01"])
+    study.set_user_attr("overrides", [*TINY, *SHORT])
+    study.set_user_attr("sweep", {"name": "lr", "space": {key: str(dist) for key, dist in space.items()},
+                                  "sampler": "random", "seed": 0})
+    study.set_user_attr("pruner", {"name": "none"})
     study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=3.0))
+
+
+CHANGED = "error: sweep.study_name='changed' is not allowed: that study's trials run with"
 
 
 @pytest.mark.slow
@@ -85,8 +97,13 @@ def existing_study(storage: Path) -> None:
     (["sweep.n_jobs=0"], "error: sweep.n_jobs=0 is not allowed"),
     (["sweep.n_jobs=4096"], "error: sweep.n_jobs=4096 is not allowed"),
     (["sweep.n_trials=-1"], "error: sweep.n_trials=-1 is not allowed"),
-    (["sweep.study_name=changed", "optim.matrix_lr=0.02"], "error: sweep.study_name='changed' is not allowed"),
-], ids=["sampler", "pruner", "storage", "n_jobs=0", "n_jobs=4096", "n_trials", "changed-study"])
+    (["sweep.study_name=changed", "optim.matrix_lr=0.02"], f"{CHANGED} the overrides"),
+    (["sweep.study_name=changed", "sweep.sampler=tpe"], f"{CHANGED} sweep.sampler random, this command has tpe"),
+    (["sweep.study_name=changed", "sweep.seed=1"], f"{CHANGED} sweep.seed 0, this command has 1"),
+    (["sweep.study_name=changed", "sweep.pruner=median"], f"{CHANGED} sweep.pruner {{'name': 'none'}}"),
+    (["sweep.study_name=changed", "optim.matrix_lr=interval(0.01,0.1)"], f"{CHANGED} the search space"),
+], ids=["sampler", "pruner", "storage", "n_jobs=0", "n_jobs=4096", "n_trials", "changed-overrides",
+        "changed-sampler", "changed-seed", "changed-pruner", "changed-space"])
 def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, message):
     storage = tmp_path / "study.journal"
     if "sweep.study_name=changed" in args:

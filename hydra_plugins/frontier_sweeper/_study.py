@@ -297,19 +297,15 @@ class Sweep:
             study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                       pruner=build_pruner(**self.pruner))
             self.objective.check_study(study)
-            ran_with = study.user_attrs.get("overrides")
-            in_use = study.trials or live_drivers(study, self.sweep.grace_period)
-            if in_use and ran_with is not None and _comparable(ran_with) != _comparable(self.fixed):
-                raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials "
-                                  f"run with the overrides {ran_with}, this command has {self.fixed}; "
-                                  "choose another sweep.study_name")
+            if study.trials or live_drivers(study, self.sweep.grace_period):
+                self.check_same_sweep(study)
         else:  # load_if_exists: on a database ask_lock cannot lock, another driver may create it meanwhile
             study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                         pruner=build_pruner(**self.pruner), directions=self.objective.directions,
                                         load_if_exists=True)
             self.objective.check_study(study)
         study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
-                                      "space": {k: str(v) for k, v in self.space.items()},
+                                      "space": self.shared()["the search space"],
                                       "sampler": self.sweep.sampler, "seed": self.sweep.seed})
         study.set_user_attr("pruner", self.pruner)
         study.set_user_attr("objective", self.objective.describe())
@@ -318,6 +314,27 @@ class Sweep:
         study.set_user_attr("budget_seconds", self.config.budget.seconds)
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
         return study
+
+    def shared(self) -> dict:
+        """What every driver of one study must agree on: another search space, sampler, seed or pruner
+        would change the trials the first driver still runs (its pruner, repeated grid points)."""
+        return {"the overrides": _comparable(self.fixed),
+                "the search space": {key: str(dist) for key, dist in self.space.items()},
+                "sweep.sampler": self.sweep.sampler, "sweep.seed": self.sweep.seed, "sweep.pruner": self.pruner}
+
+    def check_same_sweep(self, study: optuna.Study) -> None:
+        """A driver joining a study whose trials ran, or run, must run the same sweep (what the study
+        did not record is not compared)."""
+        attrs = study.user_attrs
+        ran = attrs.get("sweep", {})
+        theirs = {"the overrides": _comparable(attrs["overrides"]) if "overrides" in attrs else _UNSET,
+                  "the search space": ran.get("space", _UNSET), "sweep.sampler": ran.get("sampler", _UNSET),
+                  "sweep.seed": ran.get("seed", _UNSET), "sweep.pruner": attrs.get("pruner", _UNSET)}
+        for what, mine in self.shared().items():
+            if theirs[what] is not _UNSET and theirs[what] != mine:
+                raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials run "
+                                  f"with {what} {theirs[what]}, this command has {mine}; choose another "
+                                  "sweep.study_name")
 
     # -- MLflow: one parent run per study, which every driver continues; trials nest under it ------
 
@@ -641,6 +658,9 @@ def _on_signals(handler) -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, handler)
+
+
+_UNSET = object()  # a study attribute never recorded
 
 
 def _low(dist: BaseDistribution):
