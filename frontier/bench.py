@@ -25,6 +25,7 @@ from rich.table import Table
 
 import kernels
 from frontier import paths
+from frontier.cli import check_command_line
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
@@ -59,7 +60,23 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
                                                     OmegaConf.from_dotlist(mine)))
     except OmegaConfBaseException as err:
         raise ConfigError(f"bench: {error_line(err, named=False)}") from None
-    return bench, [a for a in argv if not a.startswith("bench.")]
+    for group, names, options in (("model", bench.models, presets("model")),
+                                  ("kernel", bench.kernels, kernels.PRESETS)):
+        unknown = [name for name in names if name not in options]
+        if not names or unknown:
+            reason = f"{unknown[0]} is not a {group} preset" if unknown else f"it names no {group}"
+            raise ConfigError(f"bench.{group}s=[{','.join(names)}] is not allowed: {reason}; choose from "
+                              f"{', '.join(options)}")
+    overrides = [a for a in argv if not a.startswith("bench.")]
+    for model in bench.models:  # every pair a valid run, found before anything is measured
+        for kernel in bench.kernels:
+            check_command_line(main, str(paths.conf_dir()), "config",
+                               [f"model={model}", f"kernel={kernel}", *overrides])
+    return bench, overrides
+
+
+def presets(group: str) -> list[str]:
+    return sorted(path.stem for path in (paths.conf_dir() / group).glob("*.yaml"))
 
 
 def compose(overrides: list[str]):

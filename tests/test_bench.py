@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -38,3 +40,18 @@ def test_bench_rejects_an_unknown_key():
     result = subprocess.run([sys.executable, "-m", "frontier.bench", "bench.model=tiny"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Key 'model' not in 'BenchConfig'" in result.stderr
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["bench.models=[nope]"], "bench.models=[nope] is not allowed: nope is not a model preset; choose from base, d4"),
+    (["bench.models=[]"], "bench.models=[] is not allowed: it names no model; choose from base, d4"),
+    (["bench.kernels=[reference,cudnn]"], "bench.kernels=[reference,cudnn] is not allowed: cudnn is not a kernel "
+                                          "preset; choose from reference, compiled"),
+    (["model.depth=abc"], "model.depth=abc is not allowed: must be an integer"),
+    (["foo=1"], "foo=1 is not allowed: the config has no key 'foo'"),
+])
+def test_bench_refuses_a_bad_command_line_in_one_sentence_before_measuring(args, sentence):
+    result = subprocess.run([sys.executable, "-m", "frontier.bench", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)  # nothing measured
+    assert result.stderr.startswith(f"error: {sentence}") and len(result.stderr.splitlines()) == 1, result.stderr
