@@ -320,6 +320,12 @@ def live_drivers(study: optuna.Study, grace_period: float) -> list[Process]:
     return found
 
 
+def all_drivers_ended(study: optuna.Study) -> bool:
+    """Every driver that ran the study has recorded its end."""
+    records = study._storage.get_study_system_attrs(study._study_id)
+    return all(record.get("ended") for key, record in records.items() if key.startswith("driver:"))
+
+
 def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[FrozenTrial]:
     """Ends every RUNNING trial whose process is gone without telling the study: on this machine
     its pid has exited, elsewhere its heartbeat stopped. A trial whose run finished (summary.json)

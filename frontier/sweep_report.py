@@ -23,7 +23,7 @@ from optuna.trial import TrialState  # noqa: E402
 
 from frontier.cli import check_writable_path  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
-from frontier.study import is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
+from frontier.study import all_drivers_ended, is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
@@ -238,13 +238,22 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
 
 
 def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
-    """Attach the report to the MLflow run of the sweep that last ran this study."""
+    """Attach the report to the MLflow run of the sweep that last ran this study, and end that run
+    when the sweep's last driver could not (the store was down then): with the status it meant."""
     run_id, uri = study.user_attrs.get("mlflow_run_id"), study.user_attrs.get("mlflow_tracking_uri")
     if not run_id or not uri:
         return None
-    import mlflow
+    from mlflow import MlflowClient
 
-    mlflow.MlflowClient(tracking_uri=uri).log_artifacts(run_id, str(out_dir), artifact_path="report")
+    from frontier.tracking import MLFLOW_STATUS  # and its settings: a store that is down fails fast
+
+    client = MlflowClient(tracking_uri=uri)
+    client.log_artifacts(run_id, str(out_dir), artifact_path="report")
+    status = study.user_attrs.get("mlflow_run_status")
+    if status and all_drivers_ended(study) and client.get_run(run_id).info.status == "RUNNING":
+        client.set_tag(run_id, "status", status)
+        client.set_terminated(run_id, MLFLOW_STATUS.get(status, status))
+        print(f"ended the sweep's MLflow run {run_id} {status}")
     return run_id
 
 

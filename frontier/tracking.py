@@ -156,14 +156,17 @@ def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: 
 
 def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
                    artifacts: Iterable[Path] = ()) -> None:
-    """Final metrics and files of a sweep, then its status (a trainer status or an MLflow one)."""
+    """Final metrics and files of a sweep, then its status (a trainer status or an MLflow one): the
+    status is set even where the metrics or files were not taken (their error is raised after)."""
     client = MlflowClient(tracking_uri(tracking_cfg))
     now = _now_ms()
-    _log_metrics(client, run_id, [Metric(k, float(v), now, 0) for k, v in metrics.items() if _is_number(v)])
-    for path in artifacts:
-        _retry(client.log_artifact, run_id, str(path))
-    _retry(client.set_tag, run_id, "status", status)
-    _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
+    try:
+        _log_metrics(client, run_id, [Metric(k, float(v), now, 0) for k, v in metrics.items() if _is_number(v)])
+        for path in artifacts:
+            _retry(client.log_artifact, run_id, str(path))
+    finally:
+        _retry(client.set_tag, run_id, "status", status)
+        _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
 
 
 def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
 from tests.conftest import POSTGRES, postgres_or_skip
+from tests.test_tracking_faults import Server, template_db  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
@@ -335,3 +336,80 @@ def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_r
     runs = client.search_runs([client.get_experiment_by_name("failures").experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
     assert parent.info.status == "FAILED"
+
+
+# -----------------------------------------------------------------------------
+# The sweep's end: each step tried, whatever became of the one before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["finished", "interrupted"])
+def test_a_tracking_server_gone_when_the_sweep_ends_is_a_warning_and_sweep_report_ends_the_run(
+        tmp_path, template_db, end):
+    """The MLflow server dies while the trial trains; the sweep then ends (its trial past
+    trial_timeout, or SIGTERM): the report is written, the driver recorded ended, the exit code is the
+    sweep's, and one warning names the command that later ends the parent run."""
+    from mlflow import MlflowClient
+
+    server = Server(tmp_path, template_db)
+    server.start()
+    storage = str(tmp_path / "study.journal")
+    args = [*LONG, "tracking.enabled=true", f"tracking.uri={server.url}", "tracking.experiment=down",
+            "tracking.flush_seconds=2", "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=down",
+            *(["sweep.trial_timeout=45"] if end == "finished" else [])]
+    try:
+        driver = subprocess.Popen(driver_command(tmp_path / "out", *args), cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
+            server.kill()
+            if end == "interrupted":
+                driver.send_signal(signal.SIGTERM)
+            output, _ = driver.communicate(timeout=300)
+        finally:
+            driver.kill()
+        assert driver.returncode == {"finished": 0, "interrupted": 130}[end], output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        study = load(storage, "down")
+        assert drivers_ended(study) == [True]
+        assert (tmp_path / "out" / "report" / "report.md").exists()
+        redo = f"python -m frontier.sweep_report study=down storage={storage}"
+        (warning,) = [line for line in output.splitlines() if "could not end the sweep's MLflow run" in line]
+        assert redo in warning, warning
+
+        server.start()
+        run_id = study.user_attrs["mlflow_run_id"]
+        client = MlflowClient(server.url)
+        assert client.get_run(run_id).info.status == "RUNNING"
+        done = subprocess.run([sys.executable, *redo.split()[1:]], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        status = {"finished": "FINISHED", "interrupted": "KILLED"}[end]
+        assert client.get_run(run_id).info.status == status
+        assert "report/report.md" in [a.path for a in client.list_artifacts(run_id, "report")]
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_report_that_cannot_be_written_is_a_warning_and_the_sweep_still_ends(tmp_path):
+    from mlflow import MlflowClient
+
+    storage, uri = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report").write_text("")  # a file where the report's folder goes
+    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
+                                         "sweep.study_name=unwritable", "tracking.enabled=true",
+                                         f"tracking.uri={uri}", "tracking.experiment=unwritable"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    (warning,) = [line for line in output.splitlines() if "could not write the report" in line]
+    assert f"python -m frontier.sweep_report study=unwritable storage={storage} out={tmp_path / 'out' / 'report'}" \
+        in warning
+    assert drivers_ended(load(storage, "unwritable")) == [True]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("unwritable").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+    assert parent.info.status == "FINISHED"

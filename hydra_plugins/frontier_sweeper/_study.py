@@ -366,18 +366,30 @@ class Sweep:
     def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
         """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
         self.close_trial_runs([])  # the runs the store could not close before
-        with self.locked():
-            record_driver(self.study, self.driver, ended=True)
-            others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
-            if self.parent_run_id is None:
-                return
-            if others:
-                log.info(f"the study's MLflow run goes on: {len(others)} other driver(s) still run trials")
-                return
-            from frontier import tracking
+        try:
+            with self.locked():
+                record_driver(self.study, self.driver, ended=True)
+                others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
+                if self.parent_run_id is not None and not others:  # for sweep_report, if MLflow fails now
+                    self.study.set_user_attr("mlflow_run_status", status)
+        except Exception as err:  # the study's storage went away: its other drivers cannot be known
+            log.warning(f"could not record this driver's end in the study ({error_line(err)}); its MLflow "
+                        "run is ended by the study's next driver")
+            return
+        if self.parent_run_id is None:
+            return
+        if others:
+            log.info(f"the study's MLflow run goes on: {len(others)} other driver(s) still run trials")
+            return
+        from frontier import tracking
 
+        try:
             tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
                                     metrics, artifacts)
+        except Exception as err:
+            log.warning(f"could not end the sweep's MLflow run {self.parent_run_id} ({error_line(err)}); "
+                        f"once the tracking store answers, {self.redo()} attaches the report and ends it "
+                        f"{status}")
 
     def close_trial_runs(self, trials: list[FrozenTrial]) -> None:
         """MLflow runs of FAIL trials whose process died before it could end them: KILLED. A run the
@@ -624,15 +636,23 @@ class Sweep:
                 log.warning(f"driver heartbeat: {type(err).__name__}: {err}")
 
     def report(self, status: str, utilization: float) -> dict:
+        """The sweep's end: the report, this driver's end in the study, the MLflow parent run. Each step
+        is tried whatever became of the one before (a warning says how to redo it), so the exit code
+        stays the sweep's."""
         from frontier.sweep_report import write_report
 
-        report = write_report(self.study, self.sweep_dir / "report")
+        out = self.sweep_dir / "report"
+        report = {"best": None, "front": [], "counts": {}, "files": []}
+        try:
+            report = write_report(self.study, out)
+        except Exception as err:
+            log.warning(f"could not write the report ({error_line(err)}); write it with {self.redo(out)}")
         if report.get("best"):
             best = report["best"]
             log.info(f"best: trial {best['number']}, {best['text']}: "
                      f"python -m frontier.train {' '.join(best['overrides'])}")
         if report["front"]:
-            log.info(f"pareto front (val_bpb, core): trials {report['front']}; see {self.sweep_dir / 'report'}")
+            log.info(f"pareto front (val_bpb, core): trials {report['front']}; see {out}")
         counts = report["counts"]
         best = report.get("best") or {}
         metrics = {"best_val_bpb": best.get("val_bpb") or math.nan, "best_value": best.get("value", math.nan),
@@ -643,6 +663,11 @@ class Sweep:
         self.heartbeat.join()  # a beat in flight must not land after the record that this driver ended
         self.end_tracking(status, metrics, report["files"])
         return report
+
+    def redo(self, out: Path | None = None) -> str:
+        """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
+        return (f"python -m frontier.sweep_report study={self.study_name} "
+                f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
 
 
 def search_path_override(config: DictConfig) -> list[str]:
