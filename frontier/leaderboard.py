@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     uri = tracking_uri(SimpleNamespace(uri=args.uri))
     db = sqlite_path(uri)
     if db is not None and not db.exists():  # do not create an empty store just to read it
-        print(f"no MLflow store at {uri} yet: train a run first", file=sys.stderr)
-        return 1
+        print(f"error: tracking.uri={uri} is not allowed: there is no MLflow store there yet (train a run "
+              "first, or name the store the runs went to)", file=sys.stderr)
+        return 2
     try:
         probe_server(SimpleNamespace(uri=uri))
         client = MlflowClient(uri)

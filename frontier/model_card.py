@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu={args.mfu} must be in (0, 1]")
+    for flag, value in (("--rows", args.rows), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}={value} is not allowed: it must be a positive integer")
     try:
         config = load_config(args.overrides)
         device = resolve_device(config.device, config.precision)

@@ -200,6 +200,10 @@ def test_showing_commands_still_work():
     ("frontier.sweep_report", ["study=s", "storage=://x"], "storage='://x' is not reachable"),
     ("frontier.model_card", ["model.foo=1"], "'foo'"),
     ("frontier.model_card", ["--no-such-flag"], "--no-such-flag"),
+    ("frontier.model_card", ["model=tiny", "--rows=-1"], "--rows=-1 is not allowed: it must be a positive integer"),
+    ("frontier.model_card", ["model=tiny", "--steps=0"], "--steps=0 is not allowed: it must be a positive integer"),
+    ("frontier.leaderboard", ["tracking.uri=sqlite:////no/such/dir/mlflow.db"],
+     "tracking.uri=sqlite:////no/such/dir/mlflow.db is not allowed: there is no MLflow store there yet"),
 ])
 def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, names):
     result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
