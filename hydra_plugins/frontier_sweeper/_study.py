@@ -370,7 +370,7 @@ class Sweep:
             with self.locked():
                 record_driver(self.study, self.driver, ended=True)
                 others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
-                if self.parent_run_id is not None and not others:  # for sweep_report, if MLflow fails now
+                if self.parent_run_id is not None and not others:  # sweep_report ends the run so if MLflow fails now
                     self.study.set_user_attr("mlflow_run_status", status)
         except Exception as err:  # the study's storage went away: its other drivers cannot be known
             log.warning(f"could not record this driver's end in the study ({error_line(err)}); its MLflow "
