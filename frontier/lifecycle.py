@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from frontier.config import error_line
 from frontier.observers import MetricsFile, notify
 
 ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
@@ -143,16 +144,24 @@ class RunInfo:
 
 
 def for_run(run) -> list:
-    """The sinks a run's config asks for, metrics file first: every point is on disk before it is sent."""
+    """The sinks a run's config asks for, metrics file first: every point is on disk before it is sent.
+
+    A sink that cannot be built (its store is unreachable, a signal) refuses the launch; the stores
+    opened before it (the MLflow run) hear it end FAILED or KILLED, so none is left RUNNING."""
     found = [MetricsFile.for_run(run)]  # drops what a killed launch logged after its resume point
-    if run.config.tracking.enabled:
-        from frontier.tracking import MlflowObserver
+    try:
+        if run.config.tracking.enabled:
+            from frontier.tracking import MlflowObserver
 
-        found.append(MlflowObserver.for_run(run))
-    if run.config.trial.number is not None:
-        from frontier.trial import TrialReporter
+            found.append(MlflowObserver.for_run(run))
+        if run.config.trial.number is not None:
+            from frontier.trial import TrialReporter
 
-        found.append(TrialReporter.for_run(run))
+            found.append(TrialReporter.for_run(run))
+    except BaseException as err:
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        notify(found[1:], "on_end", {**run.summary, "status": status}, status, f"not started: {error_line(err)}")
+        raise
     return found
 
 

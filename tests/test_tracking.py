@@ -391,6 +391,20 @@ def test_unreachable_server_stops_before_training(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_a_sink_that_cannot_be_built_leaves_no_mlflow_run_running(wiki, tmp_path):
+    """The MLflow run is created, then the sweep trial's study cannot be opened: the launch is
+    refused, and the run it had opened ends FAILED with why instead of staying RUNNING for good."""
+    uri = sqlite_uri(tmp_path)
+    cfg = compose_cfg("tracking.enabled=true", f"tracking.uri={uri}", "trial.study=no-such-study",
+                      f"trial.storage={tmp_path / 'study.journal'}", "trial.number=0")
+    with pytest.raises(KeyError):
+        train(cfg, tmp_path / "run")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("frontier").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "FAILED"
+    assert run.data.tags["error"].startswith("not started: KeyError")
+
+
 def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
     url = f"http://127.0.0.1:{free_port()}"
     bpb = train(compose_cfg(f"tracking.uri={url}", "tracking.required=false"), tmp_path / "run")
