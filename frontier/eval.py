@@ -85,8 +85,8 @@ def log_to_run(command: EvalCommand, path: Path, run_id: str, metrics: dict) -> 
     from frontier.tracking import log_metrics_to_run, read_ack, tracking_uri
 
     given = command.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
-    uri = tracking_uri(command.tracking) if given or command.run_id else read_ack(path.parent).get("uri")
-    uri = uri or tracking_uri(command.tracking)
+    recorded = None if given or command.run_id else read_ack(path.parent).get("uri")
+    uri = recorded or tracking_uri(command.tracking)
     try:
         log_metrics_to_run(uri, run_id, metrics)
     except Exception as err:  # a store that is down, or that does not hold the run

@@ -240,4 +240,4 @@ def write_failure(err: BaseException) -> str:
         if isinstance(cause, OSError) and cause.errno:
             return os.strerror(cause.errno)
         cause = cause.__cause__ or cause.__context__
-    return (str(err).splitlines() or [""])[0]
+    return error_line(err, named=False)
