@@ -6,6 +6,7 @@
 - data: `paths.data`, else FRONTIER_DATA, else <checkout>/../shared/data, else <home>/data: the text
   shards (data.path) and the CORE bundle (eval.core_bundle) default to folders in it.
 - configs: a checkout's conf/ and sweeps/, else the copies shipped inside the installed package.
+  The sweeper plugin the configs name is found wherever a command runs (see conf_dir).
 
 The config group `paths` (conf/paths/default.yaml) shows the resolved values; `paths.home=...` or
 `paths.data=...` on a command line win over the environment.
@@ -13,6 +14,7 @@ The config group `paths` (conf/paths/default.yaml) shows the resolved values; `p
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -66,6 +68,11 @@ def store_under_home(spec: str) -> str:
 
 
 def conf_dir() -> Path:
+    if IN_CHECKOUT and str(_CHECKOUT) not in sys.path:
+        # Hydra finds plugins by listing the folders of the `hydra_plugins` namespace; a plain
+        # editable install's import hook is not a folder, so outside the checkout the sweeper
+        # (hydra/sweeper=frontier, in the primary config) would be missing. The root lists it.
+        sys.path.append(str(_CHECKOUT))
     return _CHECKOUT / "conf" if IN_CHECKOUT else PACKAGE / "conf"
 
 

@@ -75,3 +75,13 @@ def test_user_presets_from_a_directory_of_their_own(installed):
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["params"] > 0
     assert (tmp / "home" / "mlruns" / "sweeps" / "mine.journal").is_file()
+
+
+def test_the_checkout_runs_from_any_directory(tmp_path):
+    """Under the editable install CI makes (`pip install -e .`), whose import hook Hydra's plugin
+    listing does not see, the primary config's sweeper must still be found outside the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "frontier.train", "model=tiny", "--cfg", "hydra"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "_target_: hydra_plugins.frontier_sweeper.frontier_sweeper.FrontierSweeper" in done.stdout
