@@ -164,10 +164,15 @@ def iter_documents(split: Split, text_column: str, chunk: int = 1024,
     skipped = skipped if skipped is not None else {}
     lo, hi = split.doc_slice
     for path in split.files:
-        if _is_empty_file(path):
+        try:
+            empty = _is_empty_file(path)
+            if not empty:
+                ds, column = _load_file(path, text_column)
+        except OSError as err:  # the file's error, not the caches' (which the callers report)
+            raise DataError(f"cannot read {path} ({type(err).__name__}: {err.strerror or err})") from None
+        if empty:
             skipped.setdefault("files", []).append(str(path))
             continue
-        ds, column = _load_file(path, text_column)
         start, stop = int(round(lo * len(ds))), int(round(hi * len(ds)))
         if stop <= start:
             skipped.setdefault("files", []).append(str(path))

@@ -256,6 +256,24 @@ def test_a_data_file_without_text_column_names_the_file(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("unreadable", ["a.txt", "b.txt"])  # the training split's file, the validation split's
+def test_a_data_file_that_cannot_be_read_is_named_not_blamed_on_the_caches(tmp_path, unreadable):
+    """/proc/self/mem is a regular file whose first read fails with EIO, as a failing disk's would."""
+    data = tmp_path / "data"
+    data.mkdir()
+    text = (ROOT.parent / "shared" / "data" / "text" / "tinyshakespeare" / "input.txt").read_text()[:300_000]
+    for name in ("a.txt", "b.txt"):
+        if name == unreadable:
+            (data / name).symlink_to("/proc/self/mem")
+        else:
+            (data / name).write_text(text)
+    result = run_cli([*FAST, "data.vocab_size=512", "data.tokenizer_train_chars=100000", f"data.path={data}",
+                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path}/run"], timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == f"error: cannot read {data / unreadable} (OSError: Input/output error)"
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("err, named, expected", [
     (OSError("disk full\nmore detail"), True, "OSError: disk full"),
     (ValueError("\n\n  second line first  \n"), False, "second line first"),
