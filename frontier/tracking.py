@@ -380,9 +380,13 @@ def _send_missing(client: MlflowClient, run_id: str, records: list[dict], have: 
 
 
 def _push_final(client: MlflowClient, run_id: str, final: dict) -> int:
-    """The summary's numbers as the run's latest values, at its last step; those already latest are skipped."""
+    """The summary's numbers as the run's latest values, at its last step; those already latest are skipped.
+    A killed launch, which `resume=` goes on from, adds no second point at a step its log points hold."""
     latest = _retry(client.get_run, run_id).data.metrics
     points = [m for m in _record_points(final) if latest.get(m.key) != m.value]
+    if final.get("status") == "KILLED":
+        points = [m for m in points if m.key not in latest
+                  or all(h.step != m.step for h in _retry(client.get_metric_history, run_id, m.key))]
     _log_metrics(client, run_id, points)
     return len(points)
 
@@ -512,34 +516,39 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
     uri = tracking_uri(cfg)
     ensure_store(uri)
     client = MlflowClient(uri)
+    opened: dict[str, str] = {}  # experiment_id, then run_id, as soon as each is known
     try:
         resumed = run.summary.get("mlflow_run_id")
         ack = read_ack(run.run_dir)
         if "resume_step" in run.summary and not resumed and ack.get("uri") == uri:
             resumed = ack.get("run_id")  # created later by `sync`
         if resumed:  # `resume=`: the same MLflow run goes on
+            opened["run_id"] = resumed
             _reopen(client, resumed)
             run_id = resumed
         else:
-            run_id = _create_run(client, uri, cfg, run)
-    except ConfigError:
-        raise
-    except Exception as err:
+            run_id = _create_run(client, uri, cfg, run, opened)
+    except BaseException as err:  # a signal, or the store failing half-way
+        _end_broken_start(client, run, opened, err)
+        if isinstance(err, ConfigError) or not isinstance(err, Exception):
+            raise
         raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({error_line(err)})") from None
     run.summary["mlflow_run_id"] = run_id  # in summary.json and resume.pt: how to find this run again
     write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=None)
     return client, uri, run_id
 
 
-def _create_run(client: MlflowClient, uri: str, cfg, run) -> str:
+def _create_run(client: MlflowClient, uri: str, cfg, run, opened: dict[str, str]) -> str:
     if cfg.parent_run_id:  # a trial: same experiment as its sweep, or the UI will not nest it
         experiment_id = _retry(client.get_run, cfg.parent_run_id).info.experiment_id
     else:
         experiment_id = _experiment_id(client, uri, cfg.experiment)
+    opened["experiment_id"] = experiment_id
     tags = {**_source_tags(), "run_dir": str(Path(run.run_dir).resolve())}
     if cfg.parent_run_id:
         tags[MLFLOW_PARENT_RUN_ID] = cfg.parent_run_id
     run_id = _retry(client.create_run, experiment_id, run_name=cfg.run_name, tags=_clip_tags(tags)).info.run_id
+    opened["run_id"] = run_id
     _log_params(client, run_id, flatten(OmegaConf.to_container(run.raw, resolve=True)))
     # The config and the diff go in first, so that even a run that crashes has them.
     _retry(client.log_text, run_id, OmegaConf.to_yaml(run.raw, resolve=True), "config.yaml")
@@ -548,6 +557,23 @@ def _create_run(client: MlflowClient, uri: str, cfg, run) -> str:
         if diff:
             _retry(client.log_text, run_id, diff, "git_diff.patch")
     return run_id
+
+
+def _end_broken_start(client: MlflowClient, run, opened: dict[str, str], err: BaseException) -> None:
+    """Ends the run a start that broke off had created or reopened, so that none is left RUNNING.
+    A signal inside `create_run` leaves no id: the run is then found by its run_dir tag."""
+    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    run_dir = str(Path(run.run_dir).resolve())
+    try:
+        run_ids = [opened["run_id"]] if "run_id" in opened else []
+        if not run_ids and "experiment_id" in opened and "'" not in run_dir:
+            found = client.search_runs([opened["experiment_id"]], max_results=10, filter_string=(
+                f"tags.run_dir = '{run_dir}' and attributes.status = 'RUNNING'"))
+            run_ids = [r.info.run_id for r in found]
+        for run_id in run_ids:
+            _set_status(client, run_id, status, f"not started: {error_line(err)}", _now_ms())
+    except Exception:  # the store is what failed: the run's own files hold what there is
+        pass
 
 
 def _reopen(client: MlflowClient, run_id: str) -> None:

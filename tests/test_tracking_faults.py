@@ -317,3 +317,76 @@ def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_e
     server.start()
     sweep.end_tracking("KILLED", {}, [])
     assert client.get_run(run_id).info.status == "KILLED" and not sweep.unclosed
+
+
+# A test-only sitecustomize.py (put on PYTHONPATH): SIGTERM to the process as the K-th call of one
+# MlflowClient method returns, before its caller has the result (FRONTIER_TEST_MLFLOW_SIGNAL="create_run:1").
+MLFLOW_SIGNAL = """
+import os, signal, time
+method, _, at = os.environ.get("FRONTIER_TEST_MLFLOW_SIGNAL", "").partition(":")
+if method:
+    from mlflow import MlflowClient
+    real, calls = getattr(MlflowClient, method), []
+
+    def signalled(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == int(at):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs in here
+        return result
+
+    setattr(MlflowClient, method, signalled)
+"""
+
+
+def signalled_launch(tmp_path: Path, args: list[str], moment: str) -> subprocess.CompletedProcess:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PROJECT_ROOT)]),
+           "FRONTIER_TEST_MLFLOW_SIGNAL": moment}
+    return subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def runs_of(client: MlflowClient, run_dir: Path) -> list:
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments, filter_string=f"tags.run_dir = '{run_dir.resolve()}'")
+
+
+@pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1", "log_text:1"])
+def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, template_db, moment):
+    """create_run:1 is the moment the run exists in the store but its id is not known yet."""
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    done = signalled_launch(tmp_path, [*RUN, "budget.max_steps=2", f"tracking.uri={uri}",
+                                       f"hydra.run.dir={run_dir}"], moment)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    [run] = runs_of(MlflowClient(uri), run_dir)
+    assert run.info.status == "KILLED", moment
+    assert run.data.tags["error"] == "not started: KeyboardInterrupt: interrupted by SIGTERM"
+
+
+def test_sigterm_while_a_resume_reopens_its_mlflow_run_ends_it_killed_again(tmp_path, template_db):
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=8", "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
+    trainer.wait_for("resume.pt", lambda: (run_dir / "resume.pt").exists())
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert trainer.finish() == 130, trainer.stderr[-3000:]
+    client = MlflowClient(uri)
+
+    done = signalled_launch(tmp_path, [f"resume={run_dir}"], "update_run:1")  # reopened: RUNNING in the store
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    [run] = runs_of(client, run_dir)
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+
+    done = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_dir}"], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_of(client, run_dir)
+    assert run.info.status == "FINISHED" and "error" not in run.data.tags
+    assert_in_mlflow_once(client, run.info.run_id, run_dir, same_values=False)
