@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import queue
@@ -77,6 +78,9 @@ REFUSED_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURC
 # instead, and the logging thread paces its own retries. A user's own settings win.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+# A SQL store's OperationalError (a full disk, a lost database) is logged by MLflow with its traceback
+# and then raised as an MlflowException, which the callers here report in one line.
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 MLFLOW_STATUS = {
     "FINISHED": "FINISHED",

@@ -2,6 +2,7 @@
 back (then `python -m frontier.tracking sync`), and kill -9 then resume — all through the real CLI."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -390,3 +391,47 @@ def test_sigterm_while_a_resume_reopens_its_mlflow_run_ends_it_killed_again(tmp_
     [run] = runs_of(client, run_dir)
     assert run.info.status == "FINISHED" and "error" not in run.data.tags
     assert_in_mlflow_once(client, run.info.run_id, run_dir, same_values=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs of its own, so that the store's disk can really fill up (needs root to mount)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:  # until ENOSPC: the disk is full
+        while True:
+            f.write(b"\0" * 4096)
+    return filler
+
+
+def test_store_on_a_disk_that_fills_up_mid_run_then_sync(tmp_path, template_db, small_disk):
+    shutil.copy(template_db, small_disk / "mlflow.db")
+    uri = f"sqlite:///{small_disk / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=12", f"tracking.uri={uri}", "tracking.flush_seconds=3"])
+    trainer.wait_for("the MLflow run", lambda: (run_dir / "tracking.json").exists())
+    trainer.proc.send_signal(signal.SIGSTOP)
+    filler = fill(small_disk)
+    trainer.proc.send_signal(signal.SIGCONT)
+    assert trainer.finish() == 0, trainer.stderr[-3000:]
+    assert "Traceback" not in trainer.stderr, trainer.stderr[-3000:]
+    warned = tracking_warnings(trainer.stderr)
+    assert warned and "database or disk is full" in warned[0] and f"frontier.tracking sync {run_dir}" in warned[0]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "FINISHED"
+
+    filler.unlink()  # space again: sync pushes what the full disk refused, each point once
+    done = sync(run_dir)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+    assert_in_mlflow_once(MlflowClient(uri), run_id, run_dir)
