@@ -9,6 +9,7 @@ crashed before it could), and then from the same summary.json, so Optuna and the
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import math
@@ -27,6 +28,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal._file import get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
 from frontier import paths
@@ -67,13 +69,26 @@ def _sqlalchemy_url(url: str) -> str:
     return url
 
 
+class JournalFile(JournalFileBackend):
+    """Optuna's journal file, created when opened but never by a write: a journal deleted under a
+    running sweep is an error, not a new file holding only the records written after it."""
+
+    def append_logs(self, logs: list[dict]) -> None:
+        text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+        with get_lock_file(self._lock):
+            with open(os.open(self._file_path, os.O_WRONLY | os.O_APPEND), "ab") as f:  # no O_CREAT
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+
+
 class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
     """A journal file storage with the heartbeat Optuna implements only for RDB storages: the
     process running a trial stamps it every `interval` seconds, so that a RUNNING trial whose
     process died can be told apart from one still running."""
 
     def __init__(self, path: str, interval: int | None = None, grace_period: int | None = None):
-        super().__init__(JournalFileBackend(path))
+        super().__init__(JournalFile(path))
         self._interval = interval
         self._grace_period = grace_period or (2 * interval if interval else None)
 
@@ -123,14 +138,17 @@ class HeartbeatRDBStorage(RDBStorage):
 
 
 def open_storage(spec: str, heartbeat_interval: int | None = None,
-                 grace_period: int | None = None) -> BaseStorage:
-    """An RDB URL (postgresql://..., sqlite:///...) or the path of a journal file."""
+                 grace_period: int | None = None, create: bool = True) -> BaseStorage:
+    """An RDB URL (postgresql://..., sqlite:///...) or the path of a journal file (`create=False`: one
+    that must exist, as a trial's does; a missing one is FileNotFoundError)."""
     if is_rdb(spec):
         with warnings.catch_warnings():  # heartbeat_interval is "experimental" in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return HeartbeatRDBStorage(_sqlalchemy_url(spec), engine_kwargs={"pool_pre_ping": True},
                               heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     path = Path(spec).expanduser().resolve()
+    if not create and not path.is_file():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     return HeartbeatJournalStorage(str(path), heartbeat_interval, grace_period)
 

@@ -45,7 +45,7 @@ class TrialReporter:
     @classmethod
     def for_run(cls, run) -> "TrialReporter":
         cfg = run.config.trial
-        storage = open_storage(study_storage(cfg.storage, cfg.study))
+        storage = open_storage(study_storage(cfg.storage, cfg.study), create=False)  # the driver made it
         # the sampler never runs here (the driver sampled the parameters); the pruner must be the
         # study's, which the driver records in the study's user attributes
         study = optuna.load_study(study_name=cfg.study, storage=storage,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -413,3 +414,80 @@ def test_a_report_that_cannot_be_written_is_a_warning_and_the_sweep_still_ends(t
     runs = client.search_runs([client.get_experiment_by_name("unwritable").experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
     assert parent.info.status == "FINISHED"
+
+
+# -----------------------------------------------------------------------------
+# The study's storage gone mid-sweep
+
+
+@pytest.fixture(params=["journal", "postgresql"])
+def doomed_storage(request, tmp_path):
+    """(storage, delete): a storage of its own and how to make it vanish — the journal's folder
+    removed, or a PostgreSQL database of its own dropped (skipped, saying why, with no server)."""
+    if request.param == "journal":
+        folder = tmp_path / "store"
+        folder.mkdir()
+        yield str(folder / "study.journal"), lambda: shutil.rmtree(folder)
+        return
+    postgres_or_skip()
+    from sqlalchemy import create_engine, text
+
+    from frontier.study import _sqlalchemy_url
+
+    database = f"frontier_fault_{uuid.uuid4().hex[:8]}"
+    server = POSTGRES.rsplit("/", 1)[0]
+    admin = create_engine(_sqlalchemy_url(f"{server}/postgres"), isolation_level="AUTOCOMMIT")
+
+    def drop():
+        with admin.connect() as conn:  # FORCE: the sweep's open connections too
+            conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {database}"))
+    try:
+        yield f"{server}/{database}", drop
+    finally:
+        drop()
+        admin.dispose()
+
+
+@pytest.mark.slow
+def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trials(tmp_path, doomed_storage):
+    """The study's storage vanishes while trial 1 trains, trial 0 done: exit 1 with one line naming the
+    storage, no traceback, the running trial stopped (KILLED, not orphaned), the MLflow parent run
+    ended FAILED, and trial 0's result kept in MLflow and its summary.json; no journal made anew."""
+    from mlflow import MlflowClient
+
+    storage, delete = doomed_storage
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "out"
+    driver = subprocess.Popen(driver_command(out, *SHORT, "sweep.n_trials=4", "sweep.heartbeat_interval=1",
+                                             f"sweep.storage={storage}", "sweep.study_name=gone",
+                                             "tracking.enabled=true", f"tracking.uri={uri}",
+                                             "tracking.experiment=gone"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: driver.poll() is not None or (out / "1" / "metrics.jsonl").exists(), 300,
+                 "trial 1 to train")
+        assert driver.poll() is None, driver.communicate()
+        delete()
+        stdout, stderr = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, (stdout + stderr)[-3000:]
+    errors = [line for line in (stdout + stderr).splitlines() if line.startswith("error:")]
+    assert errors == [stderr.strip().splitlines()[-1]], stderr[-3000:]
+    assert errors[0].startswith(f"error: the sweep stopped: its storage {storage} failed ("), errors[0]
+    if "://" not in storage:
+        assert not Path(storage).exists()  # not a new journal holding only the driver's last records
+
+    client = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gone").experiment_id])}
+    assert runs["sweep-gone"].info.status == "FAILED"
+    first = json.loads((out / "0" / "summary.json").read_text())
+    assert first["status"] == "FINISHED" and runs["trial-0"].info.status == "FINISHED"
+    assert runs["trial-0"].data.metrics["val_bpb"] == pytest.approx(first["val_bpb"])
+    running = json.loads((out / "1" / "summary.json").read_text())["status"]
+    assert running in ("KILLED", "FINISHED") and runs["trial-1"].info.status == running
+    assert not (out / "2").exists()  # no trial launched after the storage went

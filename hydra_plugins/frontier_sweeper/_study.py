@@ -373,9 +373,10 @@ class Sweep:
                 if self.parent_run_id is not None and not others:  # sweep_report ends the run so if MLflow fails now
                     self.study.set_user_attr("mlflow_run_status", status)
         except Exception as err:  # the study's storage went away: its other drivers cannot be known
-            log.warning(f"could not record this driver's end in the study ({error_line(err)}); its MLflow "
-                        "run is ended by the study's next driver")
-            return
+            log.warning(f"could not record this driver's end in the study ({error_line(storage_cause(err))})"
+                        + (f"; its MLflow run is ended {status} here (a later driver of the study reopens it)"
+                           if self.parent_run_id is not None else ""))
+            others = []  # ended here rather than left RUNNING with nobody to end it
         if self.parent_run_id is None:
             return
         if others:
@@ -452,8 +453,11 @@ class Sweep:
                 if trial is None:
                     return
                 self.run_trial(trial, slot)
-        except BaseException as err:  # e.g. the storage went away: stop the sweep, report in main
-            log.exception(f"worker on {slot.label} stopped")
+        except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
+            if isinstance(err, OSError) or from_storage(err):  # the machine's fault: no traceback
+                log.error(f"worker on {slot.label} stopped: {error_line(storage_cause(err))}")
+            else:  # a bug: its traceback helps
+                log.exception(f"worker on {slot.label} stopped")
             self.errors.append(err)
             self.stopping.set()
         finally:
@@ -498,8 +502,14 @@ class Sweep:
                                   self.killed.get(process))
             finally:
                 if process.poll() is None:  # the storage went away meanwhile: no trial goes on unsupervised
-                    self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGKILL)
-                    process.wait()
+                    with contextlib.suppress(Exception):  # the error that got here is the one to report
+                        self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGTERM)
+                    try:  # SIGTERM: the trial writes resume.pt and ends its MLflow run KILLED
+                        process.wait(timeout=self.sweep.grace_period)
+                    except subprocess.TimeoutExpired:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
                 self.processes.pop(process, None)
 
     def supervise(self, trial: optuna.Trial, process: subprocess.Popen, started: float) -> int:
@@ -528,9 +538,11 @@ class Sweep:
         """Records the trial FAIL with `reason` first (a killed process cannot), then signals it:
         SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one."""
         self.killed[process] = reason
-        end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
-        with contextlib.suppress(ProcessLookupError):  # its whole session: torchrun's ranks too
-            os.killpg(process.pid, sig)
+        try:
+            end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+        finally:  # stopped even when the storage cannot record it
+            with contextlib.suppress(ProcessLookupError):  # its whole session: torchrun's ranks too
+                os.killpg(process.pid, sig)
 
     def finish_trial(self, trial: optuna.Trial, returncode: int, run_dir: Path, seconds: float,
                      killed: str | None) -> None:
@@ -590,13 +602,19 @@ class Sweep:
         result = self.report("FAILED" if self.errors or (too_many and status == "FINISHED") else status, utilization)
         if status == "KILLED":
             raise SystemExit(130)  # the trials and the report are recorded: no traceback needed
-        if self.errors:
-            raise self.errors[0]
+        if self.errors:  # recorded as far as the storage allowed: one line says why
+            print(f"error: {self.describe_error(self.errors[0])}", file=sys.stderr)
+            raise SystemExit(1)
         if too_many:  # the trials' own logs say why: one line here
             print(f"error: the sweep stopped early: {self.stop_reason}; see each trial's output.log under "
                   f"{self.sweep_dir}", file=sys.stderr)
             raise SystemExit(1)
         return result
+
+    def describe_error(self, err: BaseException) -> str:
+        where = f"its storage {safe_storage(self.storage_spec)} failed" if from_storage(err) else "a worker failed"
+        return (f"the sweep stopped: {where} ({error_line(storage_cause(err))}); each trial's summary.json and "
+                f"output.log are under {self.sweep_dir}")
 
     def stop_workers(self, workers: list[tuple[threading.Thread, threading.Event]]) -> str:
         """Ctrl-C or SIGTERM: every trial stopped and recorded, then KILLED."""
@@ -633,7 +651,7 @@ class Sweep:
             try:
                 record_driver(self.study, self.driver)
             except Exception as err:  # the workers meet the same storage error and stop the sweep
-                log.warning(f"driver heartbeat: {type(err).__name__}: {err}")
+                log.warning(f"driver heartbeat: {error_line(storage_cause(err))}")
 
     def report(self, status: str, utilization: float) -> dict:
         """The sweep's end: the report, this driver's end in the study, the MLflow parent run. Each step
@@ -646,7 +664,8 @@ class Sweep:
         try:
             report = write_report(self.study, out)
         except Exception as err:
-            log.warning(f"could not write the report ({error_line(err)}); write it with {self.redo(out)}")
+            log.warning(f"could not write the report ({error_line(storage_cause(err))}); write it with "
+                        f"{self.redo(out)}")
         if report.get("best"):
             best = report["best"]
             log.info(f"best: trial {best['number']}, {best['text']}: "
@@ -668,6 +687,28 @@ class Sweep:
         """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
         return (f"python -m frontier.sweep_report study={self.study_name} "
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
+
+
+STORAGE_MODULES = ("optuna.storages", "sqlalchemy", "psycopg", "filelock")
+
+
+def from_storage(err: BaseException) -> bool:
+    """Whether `err` was raised inside the study's storage (Optuna's storages, the database driver, the
+    journal's file locks), not by this driver's own code."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").startswith(STORAGE_MODULES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def storage_cause(err: BaseException) -> BaseException:
+    """Optuna's StorageInternalError blames "invalid data in the commit" for any failed commit: the
+    database's own error says what failed."""
+    if isinstance(err, optuna.exceptions.StorageInternalError) and err.__cause__ is not None:
+        return err.__cause__
+    return err
 
 
 def search_path_override(config: DictConfig) -> list[str]:
