@@ -108,9 +108,13 @@ class TrialReporter:
                 self.trial.report(val_bpb, k)
             self.trial.set_user_attr("checkpoint_fractions", self.checkpoint_fractions)
             self.trial.set_user_attr("budget_fraction", round(progress, 4))
-        except UpdateFinishedTrialError:  # ended by its driver meanwhile (silent, too slow, interrupted)
-            raise StopRun("FAILED", f"trial {self.trial.number} is no longer running in the study",
-                          value=val_bpb) from None
+        except UpdateFinishedTrialError:  # ended by a driver meanwhile (silent, too slow, interrupted)
+            # stopped from outside, as when its driver is gone: KILLED, resume.pt, exit 130 (a StopRun
+            # would end it FAILED yet exit 0)
+            ended = self.study._storage.get_trial(self.trial._trial_id)
+            self.stop(f"trial {self.trial.number} was ended {ended.state.name} in the study "
+                      f"({ended.user_attrs.get('fail_reason', 'by another process')})")
+            return
         if len(self.study.directions) == 1 and self.trial.should_prune():
             raise StopRun("PRUNED", f"pruned at checkpoint {k} ({progress:.0%} of the budget, "
                                     f"val_bpb {val_bpb:.4f})", value=val_bpb)

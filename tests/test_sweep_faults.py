@@ -491,3 +491,47 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
     running = json.loads((out / "1" / "summary.json").read_text())["status"]
     assert running in ("KILLED", "FINISHED") and runs["trial-1"].info.status == running
     assert not (out / "2").exists()  # no trial launched after the storage went
+
+
+# -----------------------------------------------------------------------------
+# A trial ended in the study by a driver while its process still trains
+
+
+@pytest.mark.slow
+def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_failed(tmp_path):
+    """Another driver of the study takes trial 0 for stale and ends it FAIL while it trains: its
+    process stops KILLED at its next checkpoint (resume.pt written, exit 130, its MLflow run KILLED),
+    not FAILED with exit 0; the study keeps that driver's reason, and with sweep.max_failures=0 the
+    sweep exits 1 naming the failure (not the n_trials it also reached)."""
+    from mlflow import MlflowClient
+
+    from frontier.study import STALE_REASON, end_trial
+
+    storage, uri, out = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "out"
+    driver = subprocess.Popen(driver_command(out, "budget.seconds=600", "budget.max_steps=60", "sweep.n_trials=1",
+                                             "sweep.max_failures=0", f"sweep.storage={storage}",
+                                             "sweep.study_name=ended", "tracking.enabled=true",
+                                             f"tracking.uri={uri}", "tracking.experiment=ended"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_training(driver, out / "0" / "metrics.jsonl")
+        study = load(storage, "ended")
+        (trial,) = study.get_trials(deepcopy=False)
+        assert end_trial(study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": STALE_REASON})
+        stdout, stderr = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, (stdout + stderr)[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: the sweep stopped early: 1 trials failed (sweep.max_failures=0); see each trial's output.log "
+        f"under {out}")
+    (trial_0,) = load(storage, "ended").get_trials(deepcopy=False)
+    assert trial_0.state == TrialState.FAIL and trial_0.user_attrs["fail_reason"] == STALE_REASON
+    summary = json.loads((out / "0" / "summary.json").read_text())
+    assert summary["status"] == "KILLED", summary
+    assert summary["error"] == f"trial 0 was ended FAIL in the study ({STALE_REASON})"
+    assert (out / "0" / "resume.pt").exists()
+    client = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("ended").experiment_id])}
+    assert runs["trial-0"].info.status == "KILLED" and runs["sweep-ended"].info.status == "FAILED"

@@ -435,13 +435,14 @@ class Sweep:
                 return self.study.ask(self.space)
 
     def limit_reached(self) -> str:
+        # failures first: they make the exit code 1, and the error line gives this reason
+        if self.failures > self.sweep.max_failures:
+            return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         count = counted_trials(self.study, self.sweep.count_failed)
         if self.n_trials is not None and count >= self.n_trials:
             return f"the study has {count} trials (sweep.n_trials={self.n_trials})"
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
-        if self.failures > self.sweep.max_failures:
-            return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         if self.sweep.sampler == "grid" and self.sampler.inner.is_exhausted(self.study):
             return "every point of the grid has been run"
         return ""
