@@ -319,8 +319,10 @@ def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_r
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, *SHORT, "sweep=custom",
-                           "sweep.sampler=grid", "sweep.pruner=none", "optim.matrix_lr=1e9,2e9",
+    # four steps whatever the machine's speed: fewer (a busy CPU within budget.seconds=5) may not diverge
+    done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "budget.seconds=600",
+                           "budget.max_steps=4", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none",
+                           "optim.matrix_lr=1e9,2e9",
                            "sweep.max_failures=0", f"sweep.storage={tmp_path / 'study.journal'}",
                            "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=failures",
                            f"hydra.sweep.dir={tmp_path / 'out'}"],
