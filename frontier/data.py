@@ -165,14 +165,12 @@ def iter_documents(split: Split, text_column: str, chunk: int = 1024,
     lo, hi = split.doc_slice
     for path in split.files:
         try:
-            empty = _is_empty_file(path)
-            if not empty:
-                ds, column = _load_file(path, text_column)
+            if _is_empty_file(path):
+                skipped.setdefault("files", []).append(str(path))
+                continue
+            ds, column = _load_file(path, text_column)
         except OSError as err:  # the file's error, not the caches' (which the callers report)
-            raise DataError(f"cannot read {path} ({type(err).__name__}: {err.strerror or err})") from None
-        if empty:
-            skipped.setdefault("files", []).append(str(path))
-            continue
+            raise DataError(f"cannot read {path} ({_os_error(err)})") from None
         start, stop = int(round(lo * len(ds))), int(round(hi * len(ds)))
         if stop <= start:
             skipped.setdefault("files", []).append(str(path))
@@ -223,9 +221,13 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _os_error(err: OSError) -> str:
+    return f"{type(err).__name__}: {err.strerror or err}"
+
+
 def _cache_error(cfg: DataConfig, err: OSError) -> DataError:
     return DataError(f"data.cache_dir={cfg.cache_dir!r} is not allowed: cannot write the data caches there "
-                     f"({type(err).__name__}: {err.strerror or err})")
+                     f"({_os_error(err)})")
 
 
 def _cache_folder(cfg: DataConfig, *parts: str) -> Path:
