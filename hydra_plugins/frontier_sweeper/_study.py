@@ -508,8 +508,7 @@ class Sweep:
                     try:  # SIGTERM: the trial writes resume.pt and ends its MLflow run KILLED
                         process.wait(timeout=self.sweep.grace_period)
                     except subprocess.TimeoutExpired:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(process.pid, signal.SIGKILL)
+                        signal_session(process, signal.SIGKILL)
                         process.wait()
                 self.processes.pop(process, None)
 
@@ -542,8 +541,7 @@ class Sweep:
         try:
             end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
         finally:  # stopped even when the storage cannot record it
-            with contextlib.suppress(ProcessLookupError):  # its whole session: torchrun's ranks too
-                os.killpg(process.pid, sig)
+            signal_session(process, sig)
 
     def finish_trial(self, trial: optuna.Trial, returncode: int, run_dir: Path, seconds: float,
                      killed: str | None) -> None:
@@ -631,8 +629,7 @@ class Sweep:
                 if process not in self.killed:
                     self.stop_trial(trial, process, "stopped by its driver (interrupted)", signal.SIGTERM)
                 elif time.monotonic() > self.kill_deadline:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGKILL)
+                    signal_session(process, signal.SIGKILL)
             time.sleep(0.2)
         return "KILLED"
 
@@ -688,6 +685,12 @@ class Sweep:
         """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
         return (f"python -m frontier.sweep_report study={self.study_name} "
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
+
+
+def signal_session(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to a trial's whole session (torchrun's ranks too), if it is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
 
 
 STORAGE_MODULES = ("optuna.storages", "sqlalchemy", "psycopg", "filelock")
