@@ -19,9 +19,10 @@ import threading
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
+from frontier.config import ConfigError
 from frontier.observers import StopRun
 from frontier.study import (DRIVER_ENV, Process, build_pruner, driver_alive, end_trial,
-                            open_storage, outcome, study_storage)
+                            open_storage, outcome, safe_storage, study_storage)
 
 WATCH_SECONDS = 1.0  # how often the trial looks for its driver on this machine
 
@@ -45,13 +46,24 @@ class TrialReporter:
     @classmethod
     def for_run(cls, run) -> "TrialReporter":
         cfg = run.config.trial
-        storage = open_storage(study_storage(cfg.storage, cfg.study), create=False)  # the driver made it
+        spec = study_storage(cfg.storage, cfg.study)
+        try:
+            storage = open_storage(spec, create=False)  # the driver made it
+        except FileNotFoundError:
+            raise ConfigError(f"trial.storage={safe_storage(spec)} does not exist: a trial joins the study "
+                              f"its sweep driver created") from None
         # the sampler never runs here (the driver sampled the parameters); the pruner must be the
         # study's, which the driver records in the study's user attributes
-        study = optuna.load_study(study_name=cfg.study, storage=storage,
-                                  sampler=optuna.samplers.RandomSampler())
+        try:
+            study = optuna.load_study(study_name=cfg.study, storage=storage,
+                                      sampler=optuna.samplers.RandomSampler())
+        except KeyError:
+            raise ConfigError(f"trial.study={cfg.study!r} is not a study in {safe_storage(spec)}") from None
         study.pruner = build_pruner(**study.user_attrs.get("pruner", {"name": "none"}))
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, cfg.number)
+        try:
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, cfg.number)
+        except KeyError:
+            raise ConfigError(f"trial.number={cfg.number} is not a trial of study {cfg.study!r}") from None
         # the driver is named at launch: after set-up, the parent may already be someone else
         driver = Process.parse(os.environ.get(DRIVER_ENV))
         return cls(run, study, optuna.trial.Trial(study, trial_id), driver, cfg.heartbeat_interval,

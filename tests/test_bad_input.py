@@ -186,6 +186,26 @@ def test_a_mistake_found_when_the_run_starts_is_one_sentence(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_trial_launched_into_a_study_that_is_not_there_is_one_sentence(tmp_path):
+    """trial.* is what a sweep driver hands its trials; set by hand, a wrong one names its key."""
+    import optuna
+
+    from frontier.study import open_storage
+    journal = tmp_path / "study.journal"
+    optuna.create_study(study_name="lr", storage=open_storage(str(journal)))
+    for args, message in [
+        ([f"trial.storage={tmp_path / 'none.journal'}", "trial.study=lr"],
+         f"trial.storage={tmp_path / 'none.journal'} does not exist: a trial joins the study its sweep driver"),
+        ([f"trial.storage={journal}", "trial.study=nope"], f"trial.study='nope' is not a study in {journal}"),
+        ([f"trial.storage={journal}", "trial.study=lr"], "trial.number=0 is not a trial of study 'lr'"),
+    ]:
+        result = run_cli([*FAST, "budget.max_steps=1", f"hydra.run.dir={tmp_path}/run", *args, "trial.number=0"],
+                         timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines()[-1].startswith(f"error: {message}"), result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_showing_commands_still_work():
     shown = run_cli(["model=tiny", "--cfg", "job"], timeout=120)
     assert shown.returncode == 0 and "name: tiny" in shown.stdout, shown.stderr

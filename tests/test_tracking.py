@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import optuna
 import pytest
 import requests
 from hydra import compose, initialize_config_dir
@@ -25,7 +26,8 @@ from omegaconf import OmegaConf
 from sqlalchemy.exc import SADeprecationWarning
 
 from frontier import leaderboard, tracking
-from frontier.config import PROJECT_ROOT, TrackingConfig
+from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
+from frontier.study import open_storage
 from frontier.trainer import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
@@ -395,14 +397,16 @@ def test_a_sink_that_cannot_be_built_leaves_no_mlflow_run_running(wiki, tmp_path
     """The MLflow run is created, then the sweep trial's study cannot be opened: the launch is
     refused, and the run it had opened ends FAILED with why instead of staying RUNNING for good."""
     uri = sqlite_uri(tmp_path)
+    journal = tmp_path / "study.journal"
+    optuna.create_study(study_name="another-study", storage=open_storage(str(journal)))
     cfg = compose_cfg("tracking.enabled=true", f"tracking.uri={uri}", "trial.study=no-such-study",
-                      f"trial.storage={tmp_path / 'study.journal'}", "trial.number=0")
-    with pytest.raises(KeyError):
+                      f"trial.storage={journal}", "trial.number=0")
+    with pytest.raises(ConfigError, match="trial.study='no-such-study' is not a study"):
         train(cfg, tmp_path / "run")
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("frontier").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["status"] == "FAILED"
-    assert run.data.tags["error"].startswith("not started: KeyError")
+    assert run.data.tags["error"].startswith("not started: ConfigError")
 
 
 def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
