@@ -25,7 +25,7 @@ from rich.table import Table
 
 import kernels
 from frontier import paths
-from frontier.cli import check_command_line
+from frontier.cli import check_command_line, command
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
@@ -330,6 +330,7 @@ def log_to_mlflow(report: dict, raw) -> None:
     client.set_terminated(run.info.run_id)
 
 
+@command
 def cli() -> None:
     """`python -m frontier.bench` and the `frontier-bench` command."""
     try:

@@ -41,6 +41,21 @@ from frontier.config import ConfigError, error_line, key_hint, register_schemas,
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
+def command(entry: Callable) -> Callable:
+    """A command's entry point: Ctrl-C ends it with one line and exit code 130 (the shell's for
+    SIGINT), never a KeyboardInterrupt traceback."""
+
+    @functools.wraps(entry)
+    def run(*args, **kwargs) -> Any:
+        try:
+            return entry(*args, **kwargs)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
+
+    return run
+
+
 def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,
          check: Optional[Callable[[DictConfig], None]] = None) -> Callable:
     """`hydra.main` whose user mistakes are one sentence and exit code 2. `user_errors()` gives the
@@ -51,6 +66,7 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
     def decorate(task: Callable[[DictConfig], Any]) -> Callable:
         hydra_main = hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)
 
+        @command
         @functools.wraps(task)
         def entry(cfg_passthrough: Optional[DictConfig] = None) -> Any:
             if cfg_passthrough is not None:  # called as a function, as hydra.main allows

@@ -12,6 +12,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from frontier.cli import command
 from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig, error_line
 
 
@@ -110,6 +111,7 @@ def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -
     return {"val_bpb": bpb, "val_tokens": tokens}
 
 
+@command
 def cli() -> None:
     """`python -m frontier.eval` and the `frontier-eval` command."""
     from frontier.core import CoreBundleError

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from mlflow import MlflowClient
 
+from frontier.cli import command
 from frontier.config import ConfigError, TrackingConfig, error_line
 from frontier.paths import sqlite_path
 from frontier.tracking import RUN_KIND_TAG, probe_server, tracking_uri
@@ -126,6 +127,7 @@ def parse_args(argv: list[str]) -> SimpleNamespace:
     return args
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier import paths
-from frontier.cli import one_sentence
+from frontier.cli import command, one_sentence
 from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
@@ -108,6 +108,7 @@ def usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
+@command
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m frontier.model_card",

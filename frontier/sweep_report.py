@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier.cli import check_writable_path  # noqa: E402
+from frontier.cli import check_writable_path, command  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.study import all_drivers_ended, is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
 
@@ -295,6 +295,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+@command
 def cli() -> None:
     """`python -m frontier.sweep_report` and the `frontier-sweep-report` command."""
     raise SystemExit(main(sys.argv[1:]))

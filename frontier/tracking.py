@@ -57,6 +57,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
 from frontier import paths
+from frontier.cli import command
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
@@ -841,6 +842,7 @@ def _create_synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_di
 USAGE = "python -m frontier.tracking sync RUN_DIR [tracking.uri=URI]"
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:

@@ -486,3 +486,32 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
     assert states[0] == optuna.trial.TrialState.COMPLETE  # kept as it was
     assert states[1] == optuna.trial.TrialState.FAIL  # the orphan, marked by its missing heartbeat
     assert states[2] == optuna.trial.TrialState.COMPLETE
+
+
+def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path):
+    """frontier.bench interrupted while it times steps: no KeyboardInterrupt traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
+                             "bench.ops=false", "bench.steps=100000", f"bench.output={tmp_path / 'bench.json'}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:  # the matmul rates are measured: the steps are being timed
+        if line.startswith("CPU capability"):
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.splitlines()[-1] == "interrupted", err
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_every_installed_command_turns_ctrl_c_into_exit_130():
+    import tomllib
+    from importlib import import_module
+
+    from frontier.cli import command
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        entry = getattr(import_module(module), function)
+        assert entry.__code__ is command(print).__code__, f"{name} = {target} is not wrapped in frontier.cli.command"
