@@ -25,6 +25,7 @@ from frontier.study import (DRIVER_ENV, Process, build_pruner, driver_alive, end
                             open_storage, outcome, safe_storage, study_storage)
 
 WATCH_SECONDS = 1.0  # how often the trial looks for its driver on this machine
+STATE_SECONDS = 10.0  # how often it reads its own state in the study, for a driver that ended it
 
 
 class TrialReporter:
@@ -40,8 +41,7 @@ class TrialReporter:
         self.stop_reason: str | None = None
         self.ended = threading.Event()
         self.record_mlflow_run(run.summary)
-        if heartbeat_interval or driver is not None:
-            threading.Thread(target=self.watch, name="trial-heartbeat", daemon=True).start()
+        threading.Thread(target=self.watch, name="trial-watch", daemon=True).start()
 
     @classmethod
     def for_run(cls, run) -> "TrialReporter":
@@ -72,8 +72,9 @@ class TrialReporter:
     # -- supervision ------------------------------------------------------------------------------
 
     def watch(self) -> None:
-        """The trial's heartbeat, and a stop as soon as its driver is gone."""
-        since_beat = math.inf
+        """The trial's heartbeat, and a stop as soon as its driver is gone or a driver has ended it
+        in the study (also in a run without periodic evaluations, whose reports would find it)."""
+        since_beat = since_state = math.inf
         while not self.ended.is_set():
             if self.heartbeat_interval and since_beat >= self.heartbeat_interval:
                 with contextlib.suppress(Exception):  # a storage hiccup: the next beat may pass
@@ -81,14 +82,27 @@ class TrialReporter:
                 since_beat = 0.0
             if self.driver is not None and self.stop_reason is None and not self.driver_alive():
                 self.stop(f"its sweep driver (pid {self.driver.pid} on {self.driver.host}) has exited")
+            if since_state >= STATE_SECONDS:
+                with contextlib.suppress(Exception):  # the storage is unreachable: the driver's check decides
+                    self.stop_if_ended()
+                since_state = 0.0
             self.ended.wait(WATCH_SECONDS)
             since_beat += WATCH_SECONDS
+            since_state += WATCH_SECONDS
 
     def driver_alive(self) -> bool:
         try:
             return driver_alive(self.study, self.driver, self.grace_period)
         except Exception:  # the storage is unreachable: the heartbeat decides, not this
             return True
+
+    def stop_if_ended(self) -> None:
+        """Stopped from outside, as when its driver is gone: KILLED, resume.pt, exit 130 (a StopRun
+        would end it FAILED yet exit 0)."""
+        ended = self.study._storage.get_trial(self.trial._trial_id)
+        if ended.state.is_finished() and self.stop_reason is None and not self.ended.is_set():
+            self.stop(f"trial {self.trial.number} was ended {ended.state.name} in the study "
+                      f"({ended.user_attrs.get('fail_reason', 'by another process')})")
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -121,11 +135,7 @@ class TrialReporter:
             self.trial.set_user_attr("checkpoint_fractions", self.checkpoint_fractions)
             self.trial.set_user_attr("budget_fraction", round(progress, 4))
         except UpdateFinishedTrialError:  # ended by a driver meanwhile (silent, too slow, interrupted)
-            # stopped from outside, as when its driver is gone: KILLED, resume.pt, exit 130 (a StopRun
-            # would end it FAILED yet exit 0)
-            ended = self.study._storage.get_trial(self.trial._trial_id)
-            self.stop(f"trial {self.trial.number} was ended {ended.state.name} in the study "
-                      f"({ended.user_attrs.get('fail_reason', 'by another process')})")
+            self.stop_if_ended()
             return
         if len(self.study.directions) == 1 and self.trial.should_prune():
             raise StopRun("PRUNED", f"pruned at checkpoint {k} ({progress:.0%} of the budget, "

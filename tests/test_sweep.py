@@ -453,6 +453,32 @@ def test_a_trial_whose_driver_is_gone_stops_itself_and_says_why(tmp_path):
     assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == reason
 
 
+def test_a_trial_ended_in_the_study_stops_itself_without_a_checkpoint_to_report(tmp_path, monkeypatch):
+    """No periodic evaluation (eval.every_fraction=0) and no driver to watch: its own state in the
+    study, read every STATE_SECONDS, still tells it that another driver ended it."""
+    lifecycle = pytest.importorskip("frontier.lifecycle")
+    from frontier import trial as trial_module
+    from frontier.study import STALE_REASON, end_trial
+
+    monkeypatch.setattr(trial_module, "STATE_SECONDS", 1.0)
+    lifecycle._reset()
+    try:
+        study, reporter = reporter_for(tmp_path)
+        time.sleep(2)
+        assert lifecycle.stop_requested() is None  # running in the study: it trains on
+        assert end_trial(study, reporter.trial._trial_id, TrialState.FAIL, None, {"fail_reason": STALE_REASON})
+        for _ in range(50):
+            if lifecycle.stop_requested():
+                break
+            time.sleep(0.1)
+        assert lifecycle.stop_requested() == f"trial 0 was ended FAIL in the study ({STALE_REASON})"
+        reporter.on_end({"status": "KILLED", "progress": 0.1}, "KILLED", lifecycle.stop_requested())
+    finally:
+        lifecycle._reset()
+    (trial,) = study.get_trials(deepcopy=False)
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == STALE_REASON  # the driver's
+
+
 def test_only_an_unexplained_sigkill_suggests_memory(tmp_path):
     from hydra_plugins.frontier_sweeper._study import describe_exit
 

@@ -500,17 +500,20 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
 
 
 @pytest.mark.slow
-def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_failed(tmp_path):
+@pytest.mark.parametrize("cadence", [["budget.max_steps=60"], ["budget.max_steps=100000", "eval.every_fraction=0"]],
+                         ids=["at its next checkpoint", "without periodic evaluations"])
+def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_failed(tmp_path, cadence):
     """Another driver of the study takes trial 0 for stale and ends it FAIL while it trains: its
-    process stops KILLED at its next checkpoint (resume.pt written, exit 130, its MLflow run KILLED),
-    not FAILED with exit 0; the study keeps that driver's reason, and with sweep.max_failures=0 the
-    sweep exits 1 naming the failure (not the n_trials it also reached)."""
+    process stops KILLED at its next checkpoint, or within seconds when it makes none (resume.pt
+    written, exit 130, its MLflow run KILLED), not FAILED with exit 0; the study keeps that driver's
+    reason, and with sweep.max_failures=0 the sweep exits 1 naming the failure (not the n_trials it
+    also reached)."""
     from mlflow import MlflowClient
 
     from frontier.study import STALE_REASON, end_trial
 
     storage, uri, out = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "out"
-    driver = subprocess.Popen(driver_command(out, "budget.seconds=600", "budget.max_steps=60", "sweep.n_trials=1",
+    driver = subprocess.Popen(driver_command(out, "budget.seconds=600", *cadence, "sweep.n_trials=1",
                                              "sweep.max_failures=0", f"sweep.storage={storage}",
                                              "sweep.study_name=ended", "tracking.enabled=true",
                                              f"tracking.uri={uri}", "tracking.experiment=ended"),
