@@ -176,3 +176,34 @@ def test_the_cached_matmul_rate_is_per_cpu_capability():
                                 env={**os.environ, "ATEN_CPU_CAPABILITY": cap}, timeout=120).stdout
             for cap in ("avx2", "default")}
     assert "| AVX2 |" in keys["avx2"] and "| DEFAULT |" in keys["default"]
+
+
+KEPT_MEMORY = """
+import ctypes, sys, torch
+from frontier.device import resolve_device
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    print("no mallinfo2")
+    sys.exit(0)
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "cpu":
+    resolve_device("cpu", "fp32")
+x = torch.ones(4096, 4096)  # 64 MiB, above glibc's largest mmap threshold
+print(libc.mallinfo2().hblkhd >= x.nbytes)
+"""
+
+
+@pytest.mark.parametrize("device, mmapped", [("none", "True"), ("cpu", "False")])
+def test_a_cpu_run_keeps_freed_memory_in_the_heap(device, mmapped):
+    """glibc would mmap a 64 MiB tensor and unmap it on free, so that every step faults its pages in
+    again; a CPU device makes malloc serve it from the heap it keeps."""
+    done = subprocess.run([sys.executable, "-c", KEPT_MEMORY, device], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no mallinfo2":
+        pytest.skip("the C library is not glibc >= 2.33 (no mallinfo2 to read its mmapped bytes)")
+    assert done.stdout.strip() == mmapped
