@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier.cli import command
-from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig, error_line
+from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig, error_line, key_hint
 
 
 @dataclass
@@ -29,11 +29,20 @@ class EvalCommand:
 
 
 def parse(argv: list[str]) -> EvalCommand:
+    names = [f.name for f in fields(EvalCommand)]
+    for arg in argv:
+        key, equals, _ = arg.partition("=")
+        if not equals:
+            raise ConfigError(f"{arg!r} is not allowed: arguments are key=value, such as checkpoint=PATH or run_id=ID")
+        if key.split(".")[0] not in names:
+            raise ConfigError(f"{arg} is not allowed: {key_hint('frontier.eval', key.split('.')[0], names)}")
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(EvalCommand), OmegaConf.from_dotlist(argv))
         command: EvalCommand = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(error_line(err, named=False)) from None
+    except OmegaConfBaseException as err:  # a nested key or a value of the wrong type: name the argument
+        arg = next((a for a in argv if a.partition("=")[0] == getattr(err, "full_key", None)), None)
+        text = error_line(err, named=False)
+        raise ConfigError(f"{arg} is not allowed: {text}" if arg else text) from None
     if (command.checkpoint is None) == (command.run_id is None):
         raise ConfigError("give exactly one of checkpoint=PATH or run_id=ID")
     return command

@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier import paths
-from frontier.cli import command, one_sentence
+from frontier.cli import check_command_line, command, one_sentence
 from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         if value is not None and value < 1:
             parser.error(f"{flag}={value} is not allowed: it must be a positive integer")
     try:
+        register_schemas()
+        check_command_line(main, str(paths.conf_dir()), "config", args.overrides)  # Hydra's mistakes, one sentence
         config = load_config(args.overrides)
         device = resolve_device(config.device, config.precision)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:

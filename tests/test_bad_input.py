@@ -214,7 +214,13 @@ def test_showing_commands_still_work():
 
 
 @pytest.mark.parametrize("module, args, names", [
-    ("frontier.eval", ["foo=1"], "'foo'"),
+    ("frontier.eval", ["foo=1"], "foo=1 is not allowed: frontier.eval has no key 'foo'; its keys are checkpoint"),
+    ("frontier.eval", ["chekpoint=x"], "chekpoint=x is not allowed: frontier.eval has no key 'chekpoint'; did you "
+                                       "mean checkpoint?"),
+    ("frontier.eval", ["checkpoint"], "'checkpoint' is not allowed: arguments are key=value"),
+    ("frontier.eval", ["checkpoint=x", "core=maybe"], "core=maybe is not allowed: Value 'maybe' is not a valid bool"),
+    ("frontier.model_card", ["model=nope"], "model=nope is not allowed: model has no such option; choose one of base"),
+    ("frontier.model_card", ["model.depth=abc"], "model.depth=abc is not allowed: must be an integer"),
     ("frontier.leaderboard", ["foo=1"], "'foo'"),
     ("frontier.sweep_report", ["study=s", "foo=1"], "foo=1"),
     ("frontier.sweep_report", ["study=s", "storage=://x"], "storage='://x' is not reachable"),
