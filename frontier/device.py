@@ -155,19 +155,18 @@ def resolve_device(name: str, precision: str, neuron_logical_cores: int | None =
     return device
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory() -> None:
     """glibc hands every freed block of 32 MiB or more (a [8192, 1024] fp32 activation) straight back
     to the kernel, so each step faults the same pages in again, zeroed: serve every block from the
-    heap and never shrink it. False where the C library is not glibc."""
+    heap and never shrink it. Nothing changes where the C library is not glibc."""
     import ctypes
     import ctypes.util
 
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no mallopt: another C library
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError, TypeError):
-        return False
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 
 
 def bf16_slowdown(device: Device) -> str:

@@ -34,8 +34,9 @@ def parse(argv: list[str]) -> EvalCommand:
         key, equals, _ = arg.partition("=")
         if not equals:
             raise ConfigError(f"{arg!r} is not allowed: arguments are key=value, such as checkpoint=PATH or run_id=ID")
-        if key.split(".")[0] not in names:
-            raise ConfigError(f"{arg} is not allowed: {key_hint('frontier.eval', key.split('.')[0], names)}")
+        top = key.split(".")[0]
+        if top not in names:
+            raise ConfigError(f"{arg} is not allowed: {key_hint('frontier.eval', top, names)}")
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(EvalCommand), OmegaConf.from_dotlist(argv))
         command: EvalCommand = OmegaConf.to_object(cfg)

@@ -30,6 +30,7 @@ from frontier.optim import build_optimizers
 
 def load_config(overrides: list[str]) -> Config:
     register_schemas()
+    check_command_line(main, str(paths.conf_dir()), "config", overrides)  # Hydra's mistakes, one sentence
     with initialize_config_dir(config_dir=str(paths.conf_dir()), version_base="1.3"):
         return to_config(compose(config_name="config", overrides=overrides))
 
@@ -128,8 +129,6 @@ def main(argv: list[str] | None = None) -> None:
         if value is not None and value < 1:
             parser.error(f"{flag}={value} is not allowed: it must be a positive integer")
     try:
-        register_schemas()
-        check_command_line(main, str(paths.conf_dir()), "config", args.overrides)  # Hydra's mistakes, one sentence
         config = load_config(args.overrides)
         device = resolve_device(config.device, config.precision)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
