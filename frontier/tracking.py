@@ -132,7 +132,7 @@ def ensure_store(uri: str) -> None:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"tracking.uri={uri} could not be opened ({error_line(err)})") from None
+        raise ConfigError(f"tracking.uri={uri} could not be opened ({store_error_line(err)})") from None
 
 
 def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None) -> str:
@@ -185,7 +185,7 @@ def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> dict[str, s
                 _retry(client.set_tag, run_id, "status", status)
                 _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
         except Exception as err:  # the store is down, or the run was deleted: the others still close
-            failed[run_id] = error_line(err)
+            failed[run_id] = store_error_line(err)
     return failed
 
 
@@ -304,12 +304,12 @@ class MlflowObserver:
                 if not _transient(err):
                     if not self._refused:
                         self._refused = True
-                        _warn(f"{self.uri} refused a call for run {self.run_id} ({error_line(err)}); it is "
+                        _warn(f"{self.uri} refused a call for run {self.run_id} ({store_error_line(err)}); it is "
                               f"skipped and logging goes on")
                     return False
                 if not self._down:
                     self._down = True
-                    _warn(f"{self.uri} does not answer ({error_line(err)}); retrying in the background, every "
+                    _warn(f"{self.uri} does not answer ({store_error_line(err)}); retrying in the background, every "
                           f"point is kept in {self.run_dir / 'metrics.jsonl'}; if the store is still down "
                           f"when the run ends, push it later with `python -m frontier.tracking sync {self.run_dir}`")
                 self._give_up.wait(delay)
@@ -451,6 +451,21 @@ def _transient(err: Exception) -> bool:
     return isinstance(err, (requests.RequestException, OSError, sqlalchemy.exc.OperationalError))
 
 
+def store_error_line(err: BaseException) -> str:
+    """An error of the store as one line, naming the database driver's own error where MLflow and
+    SQLAlchemy wrap one: their text can open with a note of where it happened ("(raised as a result
+    of Query-invoked autoflush; ...)") that would hide the cause."""
+    cause: BaseException | None = err
+    for _ in range(8):  # a short chain; bounded because a chain can loop back
+        if cause is None:
+            break
+        if isinstance(cause, sqlalchemy.exc.DBAPIError) and isinstance(cause.orig, BaseException):
+            driver = type(cause.orig)
+            return f"{driver.__module__}.{driver.__qualname__}: {error_line(cause.orig, named=False)}"
+        cause = cause.__cause__ or cause.__context__
+    return error_line(err)
+
+
 def curves(loss_points: list, val_points: list) -> Figure:
     """Train loss and val_bpb against charged seconds, one above the other."""
     figure = Figure(figsize=(7, 6), layout="constrained")  # no pyplot: no global backend state
@@ -488,7 +503,7 @@ def run_dir_of(tracking_cfg, run_id: str) -> Path:
         run = _retry(client.get_run, run_id)
     except Exception as err:
         raise ConfigError(f"no MLflow run {run_id!r} in tracking.uri={tracking_uri(tracking_cfg)} "
-                          f"({error_line(err)})") from None
+                          f"({store_error_line(err)})") from None
     run_dir = run.data.tags.get("run_dir")
     if not run_dir:
         raise ConfigError(f"MLflow run {run_id!r} has no run_dir tag; pass its directory instead")
@@ -505,7 +520,7 @@ def checkpoint_of_run(tracking_cfg, run_id: str) -> Path:
         folder = _retry(client.download_artifacts, run_id, "checkpoint")
     except Exception as err:
         raise FileNotFoundError(f"MLflow run {run_id!r} has neither {local} nor a logged checkpoint "
-                                f"(train with tracking.log_checkpoint=true) ({error_line(err)})") from None
+                                f"(train with tracking.log_checkpoint=true) ({store_error_line(err)})") from None
     return Path(folder) / "final.pt"
 
 
@@ -537,7 +552,7 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
         _end_broken_start(client, run, opened, err)
         if isinstance(err, ConfigError) or not isinstance(err, Exception):
             raise
-        raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({error_line(err)})") from None
+        raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({store_error_line(err)})") from None
     run.summary["mlflow_run_id"] = run_id  # in summary.json and resume.pt: how to find this run again
     write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=None)
     return client, uri, run_id
@@ -576,7 +591,7 @@ def _end_broken_start(client: MlflowClient, run, opened: dict[str, str], err: Ba
                 f"tags.run_dir = '{run_dir}' and attributes.status = 'RUNNING'"))
             run_ids = [r.info.run_id for r in found]
         for run_id in run_ids:
-            _set_status(client, run_id, status, f"not started: {error_line(err)}", _now_ms())
+            _set_status(client, run_id, status, f"not started: {store_error_line(err)}", _now_ms())
     except Exception:  # the store is what failed: the run's own files hold what there is
         pass
 
@@ -862,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the store failed part way: what was sent stays, the next sync sends the rest
-        print(f"error: sync of {args[1]} stopped ({error_line(err)}); run it again when the store answers",
+        print(f"error: sync of {args[1]} stopped ({store_error_line(err)}); run it again when the store answers",
               file=sys.stderr)
         return 1
 

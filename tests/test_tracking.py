@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
+import sqlalchemy.exc
 from omegaconf import OmegaConf
 from sqlalchemy.exc import SADeprecationWarning
 
@@ -476,6 +478,32 @@ def test_refused_call_is_skipped_and_the_rest_goes_on(tmp_path, store, monkeypat
     run = client.get_run(observer.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == 1.5
     assert [m.step for m in client.get_metric_history(observer.run_id, "train/loss")] == [1, 2, 4, 5]
+
+
+def test_a_store_error_is_named_by_the_database_s_own_words(tmp_path, store, monkeypatch, capfd):
+    """MLflow wraps SQLAlchemy's error, whose text can open with where it happened (an autoflush), not why."""
+    original, full = MlflowClient.log_batch, [True]
+
+    def disk_full(self, run_id, metrics=(), **entities):  # once, as mlflow's managed session raises it
+        if not (full and any(m.key == "train/loss" for m in metrics)):
+            return original(self, run_id, metrics=metrics, **entities)
+        full.clear()
+        error = sqlalchemy.exc.OperationalError("INSERT INTO metrics ...", (), sqlite3.OperationalError(
+            "database or disk is full"))
+        error.add_detail("raised as a result of Query-invoked autoflush; consider using a session.no_autoflush "
+                         "block if this flush is occurring prematurely")
+        try:
+            raise error
+        except sqlalchemy.exc.OperationalError as err:
+            raise MlflowException(message=err, error_code="TEMPORARILY_UNAVAILABLE") from err
+
+    monkeypatch.setattr(MlflowClient, "log_batch", disk_full)
+    observer = tracking.MlflowObserver.for_run(fake_run(tmp_path, "full", uri=store))
+    observer.on_log({"train/loss": 5.0}, 1)
+    observer.on_end({"val_bpb": 1.5, "steps": 1}, "FINISHED", None)
+    [warned, *_] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
+    assert "does not answer (sqlite3.OperationalError: database or disk is full)" in warned, warned
+    assert [m.value for m in MlflowClient(store).get_metric_history(observer.run_id, "train/loss")] == [5.0]
 
 
 def test_resume_reopens_the_run_and_sends_what_it_missed(tmp_path, store):

@@ -427,7 +427,7 @@ def test_store_on_a_disk_that_fills_up_mid_run_then_sync(tmp_path, template_db, 
     assert "Traceback" not in trainer.stderr, trainer.stderr[-3000:]
     warned = tracking_warnings(trainer.stderr)
     # SQLite names ENOSPC "database or disk is full" or, when it hits the rollback journal, "disk I/O error"
-    assert warned and "sqlite3.OperationalError" in warned[0], warned
+    assert warned and "sqlite3.OperationalError" in warned[0], "\n".join(warned) or trainer.stderr[-3000:]
     assert f"frontier.tracking sync {run_dir}" in warned[0], warned
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "FINISHED"
 
