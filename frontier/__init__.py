@@ -1,4 +1,7 @@
 """Frontier: train language models from scratch under a fixed wall-clock budget."""
+import os
+import signal
+import sys
 
 
 def load_for_eval(checkpoint_path, device="cpu"):
@@ -6,6 +9,28 @@ def load_for_eval(checkpoint_path, device="cpu"):
     from frontier.checkpoint import load_for_eval as load
 
     return load(checkpoint_path, device)
+
+
+def _started_as_a_command() -> bool:
+    """`python -m frontier.<command>` or a `frontier-<command>` script (sys.orig_argv: Python 3.10+)."""
+    argv = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("-m"):
+            module = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            return module.split(".")[0] == "frontier"
+    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("frontier-")
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C while a command imports its libraries, before frontier.cli.command handles it: a
+    KeyboardInterrupt there is a traceback from deep inside an import (or, half-way through numpy's,
+    a RecursionError), and there is nothing to end but the process."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+if _started_as_a_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 
 __all__ = ["load_for_eval"]

@@ -16,8 +16,10 @@ import errno
 import functools
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+import frontier
 from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
@@ -43,17 +46,48 @@ GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 def command(entry: Callable) -> Callable:
     """A command's entry point: Ctrl-C ends it with one line and exit code 130 (the shell's for
-    SIGINT), never a KeyboardInterrupt traceback."""
+    SIGINT), never a traceback: not the KeyboardInterrupt's, nor that of an error it caused (one
+    that lands inside an import can leave a module half-made, which then fails in other ways)."""
 
     @functools.wraps(entry)
     def run(*args, **kwargs) -> Any:
+        _ctrl_c_pressed.clear()
+        previous = _take_ctrl_c()
         try:
             return entry(*args, **kwargs)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
+        except Exception:
+            if not _ctrl_c_pressed.is_set():
+                raise
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
+        finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
+            if previous is not None and signal.getsignal(signal.SIGINT) is _on_ctrl_c:
+                signal.signal(signal.SIGINT, previous)
 
     return run
+
+
+_ctrl_c_pressed = threading.Event()  # set by the handler `command` installs; errors after it are its doing
+
+
+def _on_ctrl_c(signum, frame) -> None:
+    _ctrl_c_pressed.set()
+    raise KeyboardInterrupt
+
+
+def _take_ctrl_c() -> Optional[Any]:
+    """SIGINT's handler becomes _on_ctrl_c (the previous one is returned) unless Ctrl-C is ignored (a
+    background job) or owned by someone else (an application that embeds Frontier), or this is not the
+    main thread, where no handler can be set."""
+    current = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or current not in (
+            signal.default_int_handler, frontier._interrupted_while_starting):
+        return None
+    signal.signal(signal.SIGINT, _on_ctrl_c)
+    return current
 
 
 def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,
@@ -77,8 +111,8 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
                 with hydra_raises():
                     return hydra_main()
             except Exception as err:
-                if not is_mistake(err, task, user_errors):
-                    raise
+                if not is_mistake(err, task, user_errors) or _ctrl_c_pressed.is_set():
+                    raise  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
                 if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank says it
                     print(f"error: {one_sentence(err)}", file=sys.stderr)
                 raise SystemExit(2) from None
