@@ -88,6 +88,14 @@ def use(paths_cfg) -> None:
             _chosen[key] = Path(value).expanduser().resolve()
 
 
-# ${frontier.home:} and ${frontier.data:} in conf/paths/default.yaml
+def if_resumed(resume, then, otherwise):
+    """`then` when `resume=` names a run directory (one holding resume.pt), else `otherwise`: conf/config.yaml
+    points hydra.run.dir at the resumed run, so that a resume leaves no outputs/ folder of its own (a
+    run given by its MLflow run id is found only later, in the store, and keeps the default)."""
+    return then if resume is not None and (Path(str(resume)).expanduser() / "resume.pt").is_file() else otherwise
+
+
+# ${frontier.home:} and ${frontier.data:} in conf/paths/default.yaml, ${frontier.if_resumed:...} in conf/config.yaml
 OmegaConf.register_new_resolver("frontier.home", lambda: str(home()), replace=True)
 OmegaConf.register_new_resolver("frontier.data", lambda: str(data()), replace=True)
+OmegaConf.register_new_resolver("frontier.if_resumed", if_resumed, replace=True)

@@ -276,7 +276,8 @@ def test_an_omegaconf_error_inside_the_task_is_a_bug_not_a_mistake_of_the_comman
 def test_a_data_file_without_text_column_names_the_file(tmp_path):
     for s in range(2):
         pq.write_table(pa.table({"body": ["words"] * 3}), tmp_path / f"shard_{s:05d}.parquet")
-    result = run_cli([*FAST, f"data.path={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}"])
+    result = run_cli([*FAST, f"data.path={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+                      f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2
     assert f"error: {tmp_path / 'shard_00000.parquet'} has no 'text' column" in result.stderr
     assert "Traceback" not in result.stderr

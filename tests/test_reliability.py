@@ -85,9 +85,14 @@ def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
     proc.kill()
     proc.wait()
     assert not (tmp_path / "run" / "final.pt").exists()
-    resumed = cli([f"resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'second'}", "tracking.enabled=false"])
+    home = tmp_path / "home"  # where a resume's own Hydra folder would go, under outputs/
+    resumed = cli([f"resume={tmp_path / 'run'}", "tracking.enabled=false"],
+                  env={**os.environ, "FRONTIER_HOME": str(home)})
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
+    assert not (home / "outputs").exists()  # the resume worked in its run, recording its command there
+    [record] = (tmp_path / "run" / ".hydra").glob("resumed-*/overrides.yaml")
+    assert f"resume={tmp_path / 'run'}" in record.read_text()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["steps"] == 16 and summary["resumed"] == 1
     assert math.isfinite(summary["val_bpb"])
