@@ -18,6 +18,8 @@ def _started_as_a_command() -> bool:
         if arg.startswith("-m"):
             module = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
             return module.split(".")[0] == "frontier"
+        if arg == "-c" or not (arg.startswith("-") or argv[i - 1] in ("-X", "-W")):
+            break  # Python's own options end here: the rest are a script's or a program's
     return os.path.basename(sys.argv[0] if sys.argv else "").startswith("frontier-")
 
 

@@ -549,6 +549,23 @@ def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line_and_exit_130(t
     assert "Traceback" not in done.stderr and done.stderr.splitlines() == ["interrupted"], done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("orig_argv, argv0, is_command", [
+    (["python", "-m", "frontier.train", "model=d4"], "-m", True),
+    (["python", "-X", "faulthandler", "-mfrontier.bench"], "-m", True),
+    (["python", "/venv/bin/frontier-eval", "run_id=x"], "/venv/bin/frontier-eval", True),
+    (["python", "-m", "pytest", "-q"], "-m", False),
+    (["python", "my_script.py", "-m", "frontier.train"], "my_script.py", False),  # the script's own arguments
+    (["python", "-c", "import frontier", "-m", "frontier"], "-c", False),
+])
+def test_only_a_frontier_command_quits_on_ctrl_c_while_it_starts(monkeypatch, orig_argv, argv0, is_command):
+    """Anywhere else (a user's program that imports frontier) Ctrl-C stays a KeyboardInterrupt."""
+    import frontier
+
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert frontier._started_as_a_command() is is_command
+
+
 def test_every_installed_command_turns_ctrl_c_into_exit_130():
     from importlib.metadata import entry_points
 
