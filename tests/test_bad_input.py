@@ -127,6 +127,11 @@ BAD = [
     (["--multirun", "sweep=lr", "sweep.n_jobs=999"], "sweep.n_jobs=999 is not allowed: this machine has"),
     (["--multirun", "sweep=lr", "model.depth=range(4,4)"], "'model.depth=range(4,4)' is not a valid search space "
                                                            "(the range holds no values)"),
+    (["--multirun", "sweep=lr", "optim.matrix_lr=tag(lgo, interval(0.01,0.1))"],
+     "'optim.matrix_lr=tag(lgo, interval(0.01,0.1))' is not a valid search space (unknown tag 'lgo'; the one "
+     "tag is log, on an interval)"),
+    (["--multirun", "sweep=lr", "model.depth=tag(log, choice(2,4))"], "'model.depth=tag(log, choice(2,4))' is "
+                                                                     "not a valid search space (tag(log, ...) applies"),
     (["--multirun", "sweep=lr", "sweep.storage=://x"], "sweep.storage='://x' is not reachable"),
     (["--multirun", "sweep=lr", "data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
     (["--multirun", "sweep=lr", "model.depth=range(-4,-2)"], "model.depth=-4 is not allowed: must be a positive "

@@ -24,6 +24,11 @@ ALLOWED = "use choice(...), range(...), interval(...) or tag(log, interval(...))
 
 def distribution(override: Override) -> BaseDistribution:
     value = override.value()
+    unknown = sorted(set(value.tags) - {"log"})
+    if unknown:  # a misspelt log would otherwise sample the interval uniformly
+        raise ValueError(f"unknown tag {', '.join(map(repr, unknown))}; the one tag is log, on an interval")
+    if value.tags and not override.is_interval_sweep():
+        raise ValueError("tag(log, ...) applies to an interval only")
     if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
         with warnings.catch_warnings():
             # List choices (e.g. model.value_embed_layers) are JSON, which every Optuna storage keeps.
