@@ -424,18 +424,24 @@ def check_writable(cfg: DictConfig, key: str) -> None:
 
 
 def check_writable_path(key: str, path: Path) -> None:
-    """A directory that can be created (or written to), found out leaving nothing behind: a folder
-    made and removed again in its nearest existing parent (permission bits alone mislead root)."""
+    """A directory that can be created (or written to), found out leaving nothing behind."""
+    found = unwritable(path)
+    if found:
+        existing, reason = found
+        raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({reason}); {existing} "
+                          "is not a writable directory")
+
+
+def unwritable(path: Path) -> Optional[tuple[Path, str]]:
+    """None when the directory `path` can be created or written to; else its nearest existing parent
+    and why not. Found out by a folder made and removed again there (permission bits alone mislead root)."""
     existing = path.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        reason = os.strerror(errno.ENOTDIR)
-    else:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".frontier-check-", dir=existing))
-            return
-        except OSError as err:
-            reason = err.strerror or type(err).__name__
-    raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({reason}); {existing} "
-                      "is not a writable directory")
+        return existing, os.strerror(errno.ENOTDIR)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".frontier-check-", dir=existing))
+        return None
+    except OSError as err:
+        return existing, err.strerror or type(err).__name__

@@ -316,3 +316,26 @@ def test_a_data_file_that_cannot_be_read_is_named_not_blamed_on_the_caches(tmp_p
 def test_an_error_in_a_message_is_its_first_line(err, named, expected):
     from frontier.config import error_line
     assert error_line(err, named=named) == expected
+
+
+def test_a_journal_on_a_read_only_disk_is_one_sentence(tmp_path):
+    """An existing study there can be read, but the locks that count its trials go beside the journal."""
+    import optuna
+
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        journal = disk / "j.log"
+        optuna.create_study(study_name="lr", storage=optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(str(journal))))
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        result = run_cli(["--multirun", "sweep=lr", *FAST, f"sweep.storage={journal}",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: sweep.storage='{journal}' is not allowed: a journal's lock files are made beside it, and {disk} "
+        "is not a writable directory (Read-only file system)"), result.stderr[-3000:]

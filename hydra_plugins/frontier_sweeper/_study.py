@@ -31,9 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.cli import task_part
+from frontier.cli import task_part, unwritable
 from frontier.config import ConfigError, SweepConfig, error_line, to_config
-from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial,
+from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
@@ -284,6 +284,11 @@ class Sweep:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
                               f"({error_line(err)}): give a reachable "
                               "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
+        if not is_rdb(self.storage_spec):  # the journal's lock files are made beside it, even to read it
+            found = unwritable(Path(self.storage_spec).expanduser().resolve().parent)
+            if found:
+                raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: a journal's lock files "
+                                  f"are made beside it, and {found[0]} is not a writable directory ({found[1]})")
         # under the study's lock, and this driver recorded in it: a second driver starting at the same
         # moment with other overrides is refused, not let in to overwrite them
         with ask_lock(self.storage_spec, self.storage, self.study_name):
