@@ -109,9 +109,10 @@ RECORD_FIELDS = ("step", "time", "checkpoint", "final", "status")  # a record's 
 
 
 def read_records(path) -> list[dict]:
-    """The records of a metrics.jsonl; a line cut short by a killed process is left out."""
+    """The records of a metrics.jsonl; a line cut short by a killed process (or made unreadable on a
+    failing disk: bytes that are not UTF-8) is left out."""
     records = []
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
+    with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 record = json.loads(line)

@@ -452,6 +452,8 @@ def test_store_failing_mid_run_then_sync(tmp_path, store, monkeypatch, capfd):
     assert only_run(client).info.status == "RUNNING"  # the end never reached the store
 
     monkeypatch.undo()  # the store is back
+    with open(run_dir / "metrics.jsonl", "ab") as f:  # and a failing disk left bytes that are not UTF-8
+        f.write(b"\x00\x00\x00\xff\xfe\n")
     assert "status FINISHED" in tracking.sync(run_dir)
     run = only_run(client)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
