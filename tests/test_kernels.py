@@ -122,7 +122,8 @@ def test_cli_stops_before_reading_data(args, backend, tmp_path):
     # a shard that is not parquet: had the data been read first, that would be the error
     (tmp_path / "shard_00000.parquet").write_text("not parquet")
     (tmp_path / "shard_00001.parquet").write_text("not parquet")
-    overrides = [a for a in FAST if not a.startswith("data.path=")] + [f"data.path={tmp_path}", *args]
+    overrides = [a for a in FAST if not a.startswith("data.path=")] + [f"data.path={tmp_path}", *args,
+                                                                         f"hydra.run.dir={tmp_path / 'run'}"]
     result = run_cli(overrides, timeout=120, env={"TRITON_INTERPRET": "0", "NKI_SIMULATOR": "0"})
     assert result.returncode == 2, result.stderr
     assert f"error: the {backend} kernels" in result.stderr and "cannot run here" in result.stderr, result.stderr
