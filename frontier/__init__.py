@@ -24,15 +24,20 @@ def _started_as_a_command() -> bool:
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    """Ctrl-C while a command imports its libraries, before frontier.cli.command handles it: a
-    KeyboardInterrupt there is a traceback from deep inside an import (or, half-way through numpy's,
-    a RecursionError), and there is nothing to end but the process."""
+    """Ctrl-C or SIGTERM while a command imports its libraries, before frontier.cli.command handles
+    them: a KeyboardInterrupt there is a traceback from deep inside an import (or, half-way through
+    numpy's, a RecursionError), SIGTERM's default a silent exit 143, and there is nothing to end but
+    the process."""
     os.write(2, b"interrupted\n")
     os._exit(130)
 
 
-if _started_as_a_command() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+STARTING_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+if _started_as_a_command():
+    for _signum, _default in STARTING_DEFAULTS.items():
+        if signal.getsignal(_signum) is _default:  # not one a parent chose to ignore
+            signal.signal(_signum, _interrupted_while_starting)
 
 
 __all__ = ["load_for_eval"]

@@ -52,7 +52,7 @@ def command(entry: Callable) -> Callable:
     @functools.wraps(entry)
     def run(*args, **kwargs) -> Any:
         _ctrl_c_pressed.clear()
-        previous = _take_ctrl_c()
+        previous = _take_signals()
         try:
             return entry(*args, **kwargs)
         except KeyboardInterrupt:
@@ -64,8 +64,9 @@ def command(entry: Callable) -> Callable:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
         finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
-            if previous is not None and signal.getsignal(signal.SIGINT) is _on_ctrl_c:
-                signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                if signal.getsignal(signum) is _on_ctrl_c:
+                    signal.signal(signum, handler)
 
     return run
 
@@ -78,16 +79,19 @@ def _on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _take_ctrl_c() -> Optional[Any]:
-    """SIGINT's handler becomes _on_ctrl_c (the previous one is returned) unless Ctrl-C is ignored (a
-    background job) or owned by someone else (an application that embeds Frontier), or this is not the
-    main thread, where no handler can be set."""
-    current = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or current not in (
-            signal.default_int_handler, frontier._interrupted_while_starting):
-        return None
-    signal.signal(signal.SIGINT, _on_ctrl_c)
-    return current
+def _take_signals() -> dict:
+    """SIGINT's and SIGTERM's handler becomes _on_ctrl_c (the previous ones are returned), each unless
+    it is ignored (a background job's Ctrl-C) or owned by someone else (an application that embeds
+    Frontier), or this is not the main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    taken = {}
+    for signum, default in frontier.STARTING_DEFAULTS.items():
+        current = signal.getsignal(signum)
+        if current in (default, frontier._interrupted_while_starting):
+            signal.signal(signum, _on_ctrl_c)
+            taken[signum] = current
+    return taken
 
 
 def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,

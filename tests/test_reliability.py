@@ -517,32 +517,36 @@ class CtrlCAtImport:  # Ctrl-C just as the named module is about to be imported
     def find_spec(self, name, path=None, target=None):
         if name == os.environ["CTRL_C_AT_IMPORT"]:
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL_AT_IMPORT", "SIGINT")))
         return None
 
 sys.meta_path.insert(0, CtrlCAtImport())
 """
 
 
-@pytest.mark.parametrize("command, module, overrides", [
-    (["-m", "frontier.train"], "hydra", FAST),  # the imports at the top of frontier.train, before its entry runs
-    (["-m", "frontier.train"], "frontier.data", FAST),  # imported by the command-line checks
+@pytest.mark.parametrize("command, module, overrides, signame", [
+    (["-m", "frontier.train"], "hydra", FAST, "SIGINT"),  # the imports at the top of frontier.train
+    (["-m", "frontier.train"], "hydra", FAST, "SIGTERM"),  # (SIGTERM's default: a silent exit 143)
+    (["-m", "frontier.train"], "frontier.data", FAST, "SIGINT"),  # imported by the command-line checks
+    (["-m", "frontier.train"], "frontier.data", FAST, "SIGTERM"),
     # the default budget's resolver sizes the run by the machine (numpy): interrupted there, the
     # module is left half-made and the resolver fails in another way, which must not be called a mistake
-    (["-m", "frontier.train"], "numpy.dtypes", ["tracking.enabled=false"]),
-    (["frontier-eval"], "hydra", FAST),  # an installed script imports its module before calling it
-], ids=["train-hydra", "train-frontier.data", "train-numpy.dtypes", "eval-script-hydra"])
-def test_ctrl_c_while_a_command_imports_its_libraries_is_one_line_and_exit_130(tmp_path, command, module,
-                                                                               overrides):
+    (["-m", "frontier.train"], "numpy.dtypes", ["tracking.enabled=false"], "SIGINT"),
+    (["frontier-eval"], "hydra", FAST, "SIGINT"),  # an installed script imports its module before calling it
+], ids=["train-hydra", "train-hydra-sigterm", "train-frontier.data", "train-frontier.data-sigterm",
+        "train-numpy.dtypes", "eval-script-hydra"])
+def test_a_signal_while_a_command_imports_its_libraries_is_one_line_and_exit_130(tmp_path, command, module,
+                                                                                 overrides, signame):
     (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT_IMPORT)
     if command[0] != "-m":
         script = os.path.join(os.path.dirname(sys.executable), command[0])
         if not os.path.exists(script):
             pytest.skip(f"{command[0]} is not installed beside {sys.executable}")
         command = [script]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "CTRL_C_AT_IMPORT": module, "SIGNAL_AT_IMPORT": signame}
     done = subprocess.run([sys.executable, *command, *overrides, "budget.max_steps=1",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path), "CTRL_C_AT_IMPORT": module})
+                          timeout=300, env=env)
     # -2: Python ends a process by SIGINT itself when the interrupt was raised inside code a C
     # extension ran (PyRun_String); the shell shows 130 for both
     assert done.returncode in (130, -signal.SIGINT), done.stderr[-3000:]
