@@ -194,8 +194,8 @@ class Lifecycle:
             except RunWriteError as err:
                 failed = err
             notify(self.sinks, "on_end", summary, status, error)
-        if failed is not None:
-            raise failed
+        if failed is not None:  # the run's own failure (a resume.pt the full disk refused) comes first
+            raise RunWriteError(f"{error} (and {failed})") if status == "FAILED" and error else failed
 
 
 def clean_numbers(summary: dict) -> None:

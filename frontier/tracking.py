@@ -738,11 +738,14 @@ def read_ack(run_dir: Path) -> dict:
 def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal_status: str | None) -> None:
     ack = {"uri": uri, "run_id": run_id, "acked_records": acked_records, "terminal_status": terminal_status}
     path = Path(run_dir) / ACK_FILE
-    with contextlib.suppress(OSError):  # an unwritable run directory is the trainer's to report
+    tmp = path.with_name(path.name + ".tmp")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(ack, indent=2))
         os.replace(tmp, path)
+    except OSError:  # an unwritable run directory (a full disk) is the trainer's to report; no .tmp is left
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 # -----------------------------------------------------------------------------

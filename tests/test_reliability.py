@@ -307,6 +307,30 @@ def test_a_full_disk_is_one_clear_error_leaving_no_tmp_and_the_run_recorded(wiki
         assert not (run_dir / "final.pt").exists()
 
 
+@pytest.mark.slow
+def test_a_disk_full_from_the_first_checkpoint_on_names_that_failure_first_and_leaves_no_tmp(wiki, tmp_path):
+    """resume.pt fails, then summary.json and tracking.json too: the run's reason is the first failure."""
+    from mlflow import MlflowClient
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here to stand for a full disk")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for temporary in ("resume.pt.tmp", "summary.json.tmp", "tracking.json.tmp"):
+        (run_dir / temporary).symlink_to("/dev/full")
+    proc = cli([*FAST, "precision=fp32", "budget.max_steps=4", "train.batch_tokens=1024", "checkpoint.every_fraction=0.5",
+                "tracking.enabled=true", f"tracking.uri={uri}", f"hydra.run.dir={run_dir}"])
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: cannot write {run_dir / 'resume.pt'}: No space left on device (and cannot write "
+                     f"{run_dir / 'summary.json'}: No space left on device)"], err
+    assert not list(run_dir.glob("*.tmp"))
+    [run] = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("frontier").experiment_id])
+    assert run.info.status == "FAILED" and "resume.pt: No space left on device" in run.data.tags["error"]
+
+
 def test_a_nan_loss_stops_the_run_as_diverged(wiki, tmp_path, monkeypatch):
     real_step = train_module.train_step
 
