@@ -195,6 +195,7 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             cfg = app.compose(overrides, RunMode.RUN)
             check_run(app, cfg, overrides, check)
             check_writable(cfg, "hydra.run.dir")
+            check_no_live_run(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             return
         for override in overrides:  # Hydra would drop these silently: the defaults would run
             if override.is_sweep_override() and (override.key_or_group == "sweep"
@@ -420,11 +421,25 @@ def grid(master: DictConfig, overrides: list[Override]) -> list[list[Override]]:
 
 def check_writable(cfg: DictConfig, key: str) -> None:
     """Hydra creates this directory first thing: one that cannot be created is a mistake found now."""
+    path = selected_path(cfg, key)
+    if path is not None:
+        check_writable_path(key, path)
+
+
+def check_no_live_run(cfg: DictConfig, key: str) -> None:
+    """A run directory in which another process is still training is refused before Hydra writes there."""
+    from frontier.lifecycle import check_not_running
+
+    path = selected_path(cfg, key)
+    if path is not None and path.is_dir():
+        check_not_running(path, key)
+
+
+def selected_path(cfg: DictConfig, key: str) -> Optional[Path]:
     try:
-        path = Path(str(OmegaConf.select(cfg, key)))
+        return Path(str(OmegaConf.select(cfg, key)))
     except Exception:  # it depends on values known only when the job starts
-        return
-    check_writable_path(key, path)
+        return None
 
 
 def check_writable_path(key: str, path: Path) -> None:

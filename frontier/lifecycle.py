@@ -9,10 +9,16 @@ loop stops at the next step boundary, where the model, optimizers, loader, clock
 belong to the same step and resume.pt can be written. A second signal within ABORT_WINDOW
 seconds aborts at once (without writing resume.pt). `request_stop` sets the same flag from any
 thread (e.g. a sweep trial whose driver is gone).
+
+A run directory has one owner at a time: the process training in it holds an exclusive lock on its
+run.lock, which the kernel drops however the process ends (kill -9 too). A second process that would
+write into it is refused, and `python -m frontier.tracking sync` tells a run whose process died
+before it could record its end from one still training.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -24,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from frontier.config import error_line
+from frontier.config import ConfigError, error_line
 from frontier.observers import MetricsFile, notify
 
 ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
+LOCK_FILE = "run.lock"
 TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED", "COMPILED")
 
 
@@ -127,6 +134,76 @@ def deferred_signals() -> Iterator[None]:
         yield
     finally:
         _deferring = False
+
+
+# -----------------------------------------------------------------------------
+# The run directory's owner: an flock, which the kernel releases when its process dies, however it dies
+
+
+def _try_lock(run_dir: Path, create: bool) -> int | None:
+    """An open descriptor holding RUN_DIR/run.lock exclusively; None while another process holds it.
+    Raises FileNotFoundError when the lock file is not there and `create` is false."""
+    flags = os.O_RDWR | os.O_CREAT if create else os.O_RDONLY  # flock needs no write access: sync reads
+    fd = os.open(Path(run_dir) / LOCK_FILE, flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def in_use(run_dir: Path, key: str) -> ConfigError:
+    lock = Path(run_dir) / LOCK_FILE
+    return ConfigError(f"{key}={run_dir} is not allowed: another process is running the run there (it holds "
+                       f"{lock}); wait for it to end, or stop it first")
+
+
+def own(run_dir: Path, key: str) -> int:
+    """Takes RUN_DIR/run.lock for this process until `disown`; a ConfigError naming `key` while another
+    process holds it (a run still training there)."""
+    try:
+        fd = _try_lock(run_dir, create=True)
+    except OSError as err:
+        raise ConfigError(f"{key}={run_dir} is not allowed: {run_dir / LOCK_FILE} cannot be written "
+                          f"({err.strerror or err})") from None
+    if fd is None:
+        raise in_use(run_dir, key)
+    return fd
+
+
+def disown(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            _release(fd)
+
+
+def check_not_running(run_dir: Path, key: str) -> None:
+    """Refuses (as `own` would) a run directory whose run is still training, taking nothing."""
+    with claimed(run_dir) as free:
+        if free is False:
+            raise in_use(run_dir, key)
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path) -> Iterator[bool | None]:
+    """Holds RUN_DIR/run.lock while inside, when it can: yields True (no process is running the run, and
+    none can start there meanwhile), False (a process is) or None (no run.lock: the run never got that
+    far, or an older version ran it)."""
+    try:
+        fd = _try_lock(run_dir, create=False)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd is not None
+    finally:
+        disown(fd)
 
 
 # -----------------------------------------------------------------------------

@@ -108,18 +108,20 @@ class MetricsFile:
 RECORD_FIELDS = ("step", "time", "checkpoint", "final", "status")  # a record's bookkeeping, not metrics
 
 
-def read_records(path) -> list[dict]:
+def read_records(path, unreadable: list[int] | None = None) -> list[dict]:
     """The records of a metrics.jsonl; a line cut short by a killed process (or made unreadable on a
-    failing disk: bytes that are not UTF-8) is left out."""
+    failing disk: bytes that are not UTF-8) is left out, its number appended to `unreadable`."""
     records = []
     with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
             except ValueError:
-                continue
+                record = None
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
+            elif unreadable is not None and line.strip():
+                unreadable.append(number)
     return records
 
 

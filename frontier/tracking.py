@@ -56,7 +56,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
-from frontier import paths
+from frontier import lifecycle, paths
 from frontier.cli import command
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
@@ -757,12 +757,19 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
 
     Creates the MLflow run if it never existed (params from the run's config), sends the points of
     metrics.jsonl it does not hold (a (key, step) it has is never sent again), the final summary,
-    summary.json, curves.png, the status tags and the terminal status. Running it again sends nothing.
+    summary.json, curves.png, the status tags and the terminal status. A run whose process died
+    without recording its end (no summary.json, and nothing holds its run.lock) ends KILLED, saying so.
+    Running it again sends nothing.
     """
     run_dir = Path(run_dir).expanduser()
-    metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
     if not run_dir.is_dir():
         raise ConfigError(f"RUN_DIR={run_dir} is not allowed: no such directory")
+    with lifecycle.claimed(run_dir) as ended:  # held while syncing: no resume= can reopen the run meanwhile
+        return _sync(run_dir, uri, ended)
+
+
+def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
+    metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
     if not metrics_path.is_file() and not summary_path.is_file():
         raise ConfigError(f"RUN_DIR={run_dir} is not allowed: it is not a run directory (it has neither "
                           f"metrics.jsonl nor summary.json)")
@@ -772,7 +779,12 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
             summary = json.loads(summary_path.read_text())
         except ValueError:
             raise ConfigError(f"RUN_DIR={run_dir} is not allowed: {summary_path} is not JSON") from None
-    records = read_records(metrics_path)
+    unreadable: list[int] = []
+    records = read_records(metrics_path, unreadable)
+    if unreadable:  # a line cut short by kill -9, or a damaged file: what it held cannot be sent
+        lines = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+        _warn(f"{len(unreadable)} line(s) of {metrics_path} are not metrics records and are left out (line "
+              f"{lines})")
     config = _run_config(run_dir)
     cfg = _tracking_config(config)
     ack = read_ack(run_dir)
@@ -786,6 +798,9 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
         run_id = _create_synced_run(client, uri, cfg, config, run_dir, records)
         write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)  # a second sync finds it
     status = (summary or {}).get("status")
+    died = status not in MLFLOW_STATUS and ended is True  # nothing holds its run.lock: its process is gone
+    if died:
+        status = "KILLED"
     if (not created and ack.get("run_id") == run_id and ack.get("acked_records") == len(records)
             and status in MLFLOW_STATUS and ack.get("terminal_status") == status):
         return f"{run_dir} is already in sync with run {run_id} in {uri}"
@@ -795,10 +810,28 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
         final = finals[-1] if finals else {**final_record(summary, status), "time": summary_path.stat().st_mtime}
         for fn, *args in _end_calls(client, run_id, run_dir, summary, final, cfg.log_checkpoint):
             sent += fn(*args) or 0  # _push_final says how many points it sent
+    elif died:
+        _log_curves(client, run_id, run_dir, {})
+        end_ms = int(records[-1]["time"] * 1000) if records else _now_ms()  # its last sign of life
+        _set_status(client, run_id, status, died_without_end(run_dir), end_ms)
     write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status)
     what = f"run {run_id} created" if created else f"run {run_id}"
-    ending = f"status {status}" if status in MLFLOW_STATUS else "no summary.json, so the run is left RUNNING"
+    if died:
+        ending = f"status KILLED: {died_without_end(run_dir)}"
+    elif status in MLFLOW_STATUS:
+        ending = f"status {status}"
+    elif ended is False:
+        ending = "its process is still running, so the run is left RUNNING"
+    else:
+        ending = "no summary.json, so the run is left RUNNING"
     return f"synced {run_dir} to {what} in {uri}: {sent} new point(s), {ending}"
+
+
+def died_without_end(run_dir: Path) -> str:
+    """What `sync` records for a run whose process ended without recording its end."""
+    how = (f"`python -m frontier.train resume={run_dir}` continues it from its last resume.pt"
+           if (run_dir / "resume.pt").is_file() else "it wrote no resume.pt, so it cannot be resumed")
+    return f"its process ended without recording its end (kill -9, a crash or a lost machine); {how}"
 
 
 def _run_config(run_dir: Path) -> dict:

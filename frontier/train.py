@@ -33,13 +33,16 @@ def say(message: str) -> None:
 
 
 def check(cfg: DictConfig) -> None:
-    """Checked before Hydra writes anything: where `resume=` points, that a local data.path holds data,
-    that data.cache_dir can be written, and that a tracking server answers (a resumed run reads its
-    saved config, checked when it starts)."""
+    """Checked before Hydra writes anything: where `resume=` points and that no process still runs that run,
+    that a local data.path holds data, that data.cache_dir can be written, and that a tracking server
+    answers (a resumed run reads its saved config, checked when it starts)."""
     if cfg.resume is not None:
+        from frontier.lifecycle import check_not_running
         from frontier.trainer import resume_location
 
-        resume_location(str(cfg.resume))
+        run_dir = resume_location(str(cfg.resume))
+        if run_dir is not None:
+            check_not_running(run_dir, "resume")
         return
     if cfg.data.source == "local":
         from frontier.data import resolve_splits

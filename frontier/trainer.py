@@ -424,9 +424,13 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         summary.update(state["summary"])
         summary["resumed"] = summary.get("resumed", 0) + 1
         summary["resume_step"] = state["clock"]["steps"]  # sinks drop what they recorded after it
+    owner = None
     try:
+        if plan.world.is_main:  # rank 0 writes the run directory, so it owns it
+            owner = lifecycle.own(run_dir, "resume" if state is not None else "hydra.run.dir")
         life = Lifecycle(RunInfo(plan.config, raw, run_dir, summary), plan.world.is_main)
     except BaseException:
+        lifecycle.disown(owner)
         plan.world.close()
         raise
     if not plan.world.is_main:  # one rank speaks for the job
@@ -485,3 +489,4 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         finally:
             display.table(summary)
             plan.world.close()
+            lifecycle.disown(owner)

@@ -453,8 +453,12 @@ def test_store_failing_mid_run_then_sync(tmp_path, store, monkeypatch, capfd):
 
     monkeypatch.undo()  # the store is back
     with open(run_dir / "metrics.jsonl", "ab") as f:  # and a failing disk left bytes that are not UTF-8
-        f.write(b"\x00\x00\x00\xff\xfe\n")
+        f.write(b"\x00\x00\x00\xff\xfe\n{\"step\": \"x\"}\n{\"step\": 9, \"tra")  # and lines that are no records
+    lines = (run_dir / "metrics.jsonl").read_bytes().count(b"\n") + 1
     assert "status FINISHED" in tracking.sync(run_dir)
+    warned = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
+    assert warned == [f"warning: tracking: 3 line(s) of {run_dir / 'metrics.jsonl'} are not metrics records and "
+                      f"are left out (line {lines - 2}, {lines - 1}, {lines})"], warned
     run = only_run(client)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2

@@ -266,12 +266,33 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
 
     trainer.wait_for("steps after a checkpoint", logged_past_checkpoint)
     trainer.proc.send_signal(signal.SIGSTOP)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    # While its process lives (frozen here), no second process may write into the run directory.
+    hydra_record = (run_dir / ".hydra" / "config.yaml").read_text()
+    for args, key in (([f"resume={run_dir}"], "resume"), ([*RUN, f"hydra.run.dir={run_dir}"], "hydra.run.dir")):
+        refused = subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=PROJECT_ROOT,
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines() == [
+            f"error: {key}={run_dir} is not allowed: another process is running the run there (it holds "
+            f"{run_dir / 'run.lock'}); wait for it to end, or stop it first"], refused.stderr
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == hydra_record
+    assert [p.name for p in (run_dir / ".hydra").iterdir() if p.is_dir()] == []  # no resumed-<time> record
+    live = sync(run_dir)
+    assert live.returncode == 0 and "its process is still running, so the run is left RUNNING" in live.stdout, (
+        live.stdout + live.stderr)
+    assert client.get_run(run_id).info.status == "RUNNING"
+
     trainer.proc.send_signal(signal.SIGKILL)
     trainer.finish()
     resume_step = torch.load(run_dir / "resume.pt", weights_only=False)["clock"]["steps"]
-    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     assert max(r["step"] for r in records(run_dir)) > resume_step  # what a resume must not log twice
     assert max(m.step for m in client.get_metric_history(run_id, "train/loss")) > resume_step
+    dead = sync(run_dir)  # nothing holds run.lock now: the run's end was never recorded, and sync says so
+    assert dead.returncode == 0 and "status KILLED" in dead.stdout, dead.stdout + dead.stderr
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+    assert f"resume={run_dir}" in run.data.tags["error"] and "kill -9" in run.data.tags["error"]
 
     done = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_dir}"], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -287,6 +308,34 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     assert_in_mlflow_once(client, run_id, run_dir, same_values=False)
     losses = dict(file_points(records(run_dir))["train/loss"])
     assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == pytest.approx(losses)
+
+
+def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_path, template_db):
+    """A run killed before it wrote any resume.pt cannot be resumed: `sync` ends its MLflow run, once."""
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=400", "train.log_every_fraction=0.01",
+                                "checkpoint.every_fraction=0", f"tracking.uri={uri}"])
+    trainer.wait_for("a logged step", lambda: (run_dir / "metrics.jsonl").exists())
+    trainer.proc.send_signal(signal.SIGKILL)
+    trainer.finish()
+    assert not (run_dir / "resume.pt").exists() and not (run_dir / "summary.json").exists()
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "RUNNING"  # what nothing else would ever end
+
+    dead = sync(run_dir)
+    assert dead.returncode == 0, dead.stderr
+    assert "status KILLED: its process ended without recording its end" in dead.stdout, dead.stdout
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+    assert "it wrote no resume.pt, so it cannot be resumed" in run.data.tags["error"]
+    logged = [r["step"] for r in records(run_dir) if "train/loss" in r]
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == logged
+    assert run.info.end_time == int(records(run_dir)[-1]["time"] * 1000)  # its last sign of life
+    again = sync(run_dir)
+    assert again.returncode == 0 and "already in sync" in again.stdout, again.stdout + again.stderr
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
