@@ -110,6 +110,21 @@ class Device:
         return entry["flops"], describe_measurement(entry)
 
 
+def device_kind(name: str) -> str:
+    """cpu, cuda or neuron: what `device=name` runs on here (`auto` picks cuda, then neuron, then cpu);
+    a device this machine lacks is a ConfigError. Nothing is started."""
+    kind = name.split(":")[0]
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} is not available: torch {torch.__version__} sees no CUDA GPU "
+                          "(use device=cpu or device=auto)")
+    if kind == "neuron" and not neuron_available():
+        raise ConfigError(f"device={name!r} is not available: no Trainium device (install the Neuron SDK's "
+                          "torch-neuronx on a trn instance, or use device=cpu or device=auto)")
+    return kind
+
+
 def resolve_device(name: str, precision: str, neuron_logical_cores: int | None = None) -> Device:
     """`auto` picks cuda, then neuron, then cpu; an explicit device must exist.
 
@@ -121,17 +136,8 @@ def resolve_device(name: str, precision: str, neuron_logical_cores: int | None =
     if neuron_logical_cores is not None:
         # Read by the Neuron runtime when it starts, so it must be set before the device is touched.
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(neuron_logical_cores)
-    kind = name.split(":")[0]
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
-        name = kind
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} is not available: torch {torch.__version__} sees no CUDA GPU "
-                          "(use device=cpu or device=auto)")
-    if kind == "neuron" and not neuron_available():
-        raise ConfigError(f"device={name!r} is not available: no Trainium device (install the Neuron SDK's "
-                          "torch-neuronx on a trn instance, or use device=cpu or device=auto)")
-    torch_device = torch.device(name)
+    kind = device_kind(name)
+    torch_device = torch.device(kind if name.startswith("auto") else name)
     if kind == "cuda":
         label = torch.cuda.get_device_name(torch_device)
         torch.backends.cuda.matmul.allow_tf32 = True

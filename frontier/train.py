@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from frontier import cli, paths, sizing
-from frontier.config import ConfigError, project_path
+from frontier.config import ConfigError, project_path, to_config
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -34,8 +34,9 @@ def say(message: str) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Checked before Hydra writes anything: where `resume=` points and that no process still runs that run,
-    that a local data.path holds data, that data.cache_dir can be written, and that a tracking server
-    answers (a resumed run reads its saved config, checked when it starts)."""
+    that this machine has the device, kernels and CORE bundle the run needs, that a local data.path holds
+    data, that data.cache_dir can be written, and that a tracking server answers (a resumed run reads its
+    saved config, checked when it starts)."""
     if cfg.resume is not None:
         from frontier.lifecycle import check_not_running
         from frontier.trainer import resume_location
@@ -44,6 +45,9 @@ def check(cfg: DictConfig) -> None:
         if run_dir is not None:
             check_not_running(run_dir, "resume")
         return
+    from frontier.trainer import check_runnable
+
+    check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     if cfg.data.source == "local":
         from frontier.data import resolve_splits
 

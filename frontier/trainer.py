@@ -24,7 +24,7 @@ from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, wr
 from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
 from frontier.core import core_metrics
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
-from frontier.device import Device, resolve_device
+from frontier.device import Device, device_kind, resolve_device
 from frontier.distributed import World, init_world
 from frontier.evaluate import val_bpb
 from frontier.lifecycle import Lifecycle, RunInfo
@@ -74,14 +74,22 @@ class Plan:
     splits: tuple  # (train, val) files: listed, not read
 
 
-def prepare(raw: DictConfig, run_dir: Path) -> Plan:
-    """Every check a configuration can fail, before any data is read or any sink is built."""
-    config = to_config(raw)  # every range check
-    device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
+def check_runnable(config: Config) -> None:
+    """What a configuration needs of this machine, touching nothing: its device, its kernels (one this
+    machine cannot run stops here) and the CORE bundle. The command line checks it before Hydra runs."""
+    kind = device_kind(config.device)
     if config.eval.core and not (Path(config.eval.core_bundle) / "core.yaml").is_file():
         raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
                           "eval bundle (the offline copy is ../shared/data/core)")
-    ops = Ops(config.kernel, device.kind)  # a kernel this machine cannot run stops here
+    Ops(config.kernel, kind)
+
+
+def prepare(raw: DictConfig, run_dir: Path) -> Plan:
+    """Every check a configuration can fail, before any data is read or any sink is built."""
+    config = to_config(raw)  # every range check
+    check_runnable(config)
+    device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
+    ops = Ops(config.kernel, device.kind)
     splits = resolve_splits(config.data)  # a data.path with no data in it stops here
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -184,11 +184,27 @@ def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
-def test_a_mistake_found_when_the_run_starts_is_one_sentence(tmp_path):
-    result = run_cli([*FAST, "device=cuda", "budget.max_steps=1", f"hydra.run.dir={tmp_path}/run"], timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1].startswith("error: device='cuda' is not available"), result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize("args, message", [
+    (["device=cuda"], "device='cuda' is not available: torch "),
+    (["kernel=nki"], "the nki kernels (rmsnorm, relu2) cannot run here: "),
+    (["eval.core=true", "eval.core_bundle={empty}"], "eval.core_bundle='{empty}' has no core.yaml"),
+], ids=["device", "kernel", "core bundle"])
+def test_what_this_machine_lacks_is_one_sentence_before_anything_is_written(tmp_path, args, message):
+    """The device, the kernels and the CORE bundle are checked with the command line, before Hydra runs."""
+    import torch
+
+    if "device=cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU, so device=cuda is not a mistake here")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [arg.format(empty=empty) for arg in args]
+    result = run_cli([*FAST, "budget.max_steps=1", *isolated(out), *args], timeout=120, env={"NKI_SIMULATOR": "0"})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message.format(empty=empty)}"), result.stderr
+    assert list(out.iterdir()) == []
 
 
 def test_a_trial_launched_into_a_study_that_is_not_there_is_one_sentence(tmp_path):

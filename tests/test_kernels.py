@@ -128,6 +128,7 @@ def test_cli_stops_before_reading_data(args, backend, tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"error: the {backend} kernels" in result.stderr and "cannot run here" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # found before Hydra made the run directory
 
 
 # -- relu2: the reference's in-place backward ---------------------------------------------------------
