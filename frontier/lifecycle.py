@@ -140,9 +140,14 @@ def deferred_signals() -> Iterator[None]:
 # The run directory's owner: an flock, which the kernel releases when its process dies, however it dies
 
 
+class Unlockable(Exception):
+    """The run directory's filesystem takes no flock (some network mounts)."""
+
+
 def _try_lock(run_dir: Path, create: bool) -> int | None:
     """An open descriptor holding RUN_DIR/run.lock exclusively; None while another process holds it.
-    Raises FileNotFoundError when the lock file is not there and `create` is false."""
+    Raises OSError when the lock file cannot be opened (FileNotFoundError: it is not there and `create`
+    is false), Unlockable when its filesystem cannot lock it."""
     flags = os.O_RDWR | os.O_CREAT if create else os.O_RDONLY  # flock needs no write access: sync reads
     fd = os.open(Path(run_dir) / LOCK_FILE, flags, 0o644)
     try:
@@ -150,6 +155,9 @@ def _try_lock(run_dir: Path, create: bool) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as err:
+        os.close(fd)
+        raise Unlockable(err.strerror or str(err)) from None
     return fd
 
 
@@ -164,14 +172,20 @@ def in_use(run_dir: Path, key: str) -> ConfigError:
                        f"{lock}); wait for it to end, or stop it first")
 
 
-def own(run_dir: Path, key: str) -> int:
+def own(run_dir: Path, key: str) -> int | None:
     """Takes RUN_DIR/run.lock for this process until `disown`; a ConfigError naming `key` while another
-    process holds it (a run still training there)."""
+    process holds it (a run still training there). Where the filesystem cannot lock, the run goes on
+    unguarded, with a warning (None)."""
+    lock = Path(run_dir) / LOCK_FILE
     try:
         fd = _try_lock(run_dir, create=True)
+    except Unlockable as err:
+        print(f"warning: {lock} cannot be locked on this filesystem ({err}): a second process is not kept out "
+              "of this run directory, and `frontier.tracking sync` cannot tell whether the run is alive",
+              file=sys.stderr, flush=True)
+        return None
     except OSError as err:
-        raise ConfigError(f"{key}={run_dir} is not allowed: {run_dir / LOCK_FILE} cannot be written "
-                          f"({err.strerror or err})") from None
+        raise ConfigError(f"{key}={run_dir} is not allowed: {lock} cannot be written ({err.strerror or err})") from None
     if fd is None:
         raise in_use(run_dir, key)
     return fd
@@ -194,10 +208,10 @@ def check_not_running(run_dir: Path, key: str) -> None:
 def claimed(run_dir: Path) -> Iterator[bool | None]:
     """Holds RUN_DIR/run.lock while inside, when it can: yields True (no process is running the run, and
     none can start there meanwhile), False (a process is) or None (no run.lock: the run never got that
-    far, or an older version ran it)."""
+    far, an older version ran it, or its filesystem cannot lock)."""
     try:
         fd = _try_lock(run_dir, create=False)
-    except OSError:
+    except (OSError, Unlockable):
         yield None
         return
     try:

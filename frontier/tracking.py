@@ -810,21 +810,28 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
         final = finals[-1] if finals else {**final_record(summary, status), "time": summary_path.stat().st_mtime}
         for fn, *args in _end_calls(client, run_id, run_dir, summary, final, cfg.log_checkpoint):
             sent += fn(*args) or 0  # _push_final says how many points it sent
-    elif died:
-        _log_curves(client, run_id, run_dir, {})
-        end_ms = int(records[-1]["time"] * 1000) if records else _now_ms()  # its last sign of life
-        _set_status(client, run_id, status, died_without_end(run_dir), end_ms)
-    write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status)
-    what = f"run {run_id} created" if created else f"run {run_id}"
-    if died:
-        ending = f"status KILLED: {died_without_end(run_dir)}"
-    elif status in MLFLOW_STATUS:
         ending = f"status {status}"
+    elif died:
+        ending = _end_dead_run(client, run_id, run_dir, records)
     elif ended is False:
         ending = "its process is still running, so the run is left RUNNING"
     else:
         ending = "no summary.json, so the run is left RUNNING"
+    write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status)
+    what = f"run {run_id} created" if created else f"run {run_id}"
     return f"synced {run_dir} to {what} in {uri}: {sent} new point(s), {ending}"
+
+
+def _end_dead_run(client: MlflowClient, run_id: str, run_dir: Path, records: list[dict]) -> str:
+    """Ends KILLED the MLflow run of a process that died without recording its end, unless someone (a
+    sweep driver, for its trial) ended it already; says which."""
+    _log_curves(client, run_id, run_dir, {})
+    ended_as = _retry(client.get_run, run_id).info.status
+    if ended_as != "RUNNING":
+        return f"its process ended without recording its end, and MLflow has the run {ended_as} already"
+    end_ms = int(records[-1]["time"] * 1000) if records else _now_ms()  # its last sign of life
+    _set_status(client, run_id, "KILLED", died_without_end(run_dir), end_ms)
+    return f"status KILLED: {died_without_end(run_dir)}"
 
 
 def died_without_end(run_dir: Path) -> str:

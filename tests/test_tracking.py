@@ -552,6 +552,59 @@ def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
     assert not list((tmp_path / "empty").iterdir())  # nothing written
 
 
+def dead_run_dir(tmp_path: Path, uri: str) -> tuple[Path, str]:
+    """A run directory whose process died after logging two steps: an MLflow run, its tracking.json and
+    metrics.jsonl, no summary.json, and a run.lock that nothing holds."""
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("dead")).info.run_id
+    run_dir = tmp_path / "dead"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": time.time(), "train/loss": 5.0 / s})
+                                                   + "\n" for s in (1, 2)))
+    (run_dir / "run.lock").touch()
+    tracking.write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)
+    return run_dir, run_id
+
+
+def test_sync_leaves_a_dead_run_that_mlflow_has_ended_already_as_it_is(tmp_path, store):
+    """A sweep driver ends the MLflow run of a trial whose process died: sync keeps its status and error."""
+    run_dir, run_id = dead_run_dir(tmp_path, store)
+    client = MlflowClient(store)
+    client.set_tag(run_id, "error", "trial 3's process died (found by the sweep driver)")
+    client.set_terminated(run_id, "FAILED")
+    done = tracking.sync(run_dir)
+    assert "2 new point(s)" in done and "MLflow has the run FAILED already" in done, done
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith("trial 3's process died")
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2]
+    assert "already in sync" in tracking.sync(run_dir)
+
+
+def test_a_filesystem_that_cannot_lock_runs_unguarded_with_a_warning(tmp_path, store, monkeypatch, capfd):
+    import errno
+    import fcntl
+
+    from frontier import lifecycle
+
+    flock = fcntl.flock
+
+    def no_locks(fd, operation):  # the run directory's filesystem (the store's file lock still works)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("run.lock"):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return flock(fd, operation)
+
+    run_dir, run_id = dead_run_dir(tmp_path, store)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert lifecycle.own(run_dir, "hydra.run.dir") is None  # the run goes on
+    warned = capfd.readouterr().err.splitlines()
+    assert warned == [f"warning: {run_dir / 'run.lock'} cannot be locked on this filesystem (No locks available): "
+                      "a second process is not kept out of this run directory, and `frontier.tracking sync` "
+                      "cannot tell whether the run is alive"], warned
+    lifecycle.check_not_running(run_dir, "resume")  # nothing to refuse on
+    assert "no summary.json, so the run is left RUNNING" in tracking.sync(run_dir)  # alive or not: unknown
+    assert MlflowClient(store).get_run(run_id).info.status == "RUNNING"
+
+
 # -----------------------------------------------------------------------------
 # Leaderboard
 
