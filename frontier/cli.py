@@ -45,13 +45,13 @@ GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
 def command(entry: Callable) -> Callable:
-    """A command's entry point: Ctrl-C ends it with one line and exit code 130 (the shell's for
-    SIGINT), never a traceback: not the KeyboardInterrupt's, nor that of an error it caused (one
+    """A command's entry point: Ctrl-C or SIGTERM ends it with one line and exit code 130 (the shell's
+    for SIGINT), never a traceback: not the KeyboardInterrupt's, nor that of an error it caused (one
     that lands inside an import can leave a module half-made, which then fails in other ways)."""
 
     @functools.wraps(entry)
     def run(*args, **kwargs) -> Any:
-        _ctrl_c_pressed.clear()
+        _interrupted.clear()
         previous = _take_signals()
         try:
             return entry(*args, **kwargs)
@@ -59,28 +59,28 @@ def command(entry: Callable) -> Callable:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
         except Exception:
-            if not _ctrl_c_pressed.is_set():
+            if not _interrupted.is_set():
                 raise
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
         finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
             for signum, handler in previous.items():
-                if signal.getsignal(signum) is _on_ctrl_c:
+                if signal.getsignal(signum) is _on_interrupt:
                     signal.signal(signum, handler)
 
     return run
 
 
-_ctrl_c_pressed = threading.Event()  # set by the handler `command` installs; errors after it are its doing
+_interrupted = threading.Event()  # set by the handler `command` installs; errors after it are its doing
 
 
-def _on_ctrl_c(signum, frame) -> None:
-    _ctrl_c_pressed.set()
+def _on_interrupt(signum, frame) -> None:
+    _interrupted.set()
     raise KeyboardInterrupt
 
 
 def _take_signals() -> dict:
-    """SIGINT's and SIGTERM's handler becomes _on_ctrl_c (the previous ones are returned), each unless
+    """SIGINT's and SIGTERM's handler becomes _on_interrupt (the previous ones are returned), each unless
     it is ignored (a background job's Ctrl-C) or owned by someone else (an application that embeds
     Frontier), or this is not the main thread, where no handler can be set."""
     if threading.current_thread() is not threading.main_thread():
@@ -89,7 +89,7 @@ def _take_signals() -> dict:
     for signum, default in frontier.STARTING_DEFAULTS.items():
         current = signal.getsignal(signum)
         if current in (default, frontier._interrupted_while_starting):
-            signal.signal(signum, _on_ctrl_c)
+            signal.signal(signum, _on_interrupt)
             taken[signum] = current
     return taken
 
@@ -115,7 +115,7 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
                 with hydra_raises():
                     return hydra_main()
             except Exception as err:
-                if not is_mistake(err, task, user_errors) or _ctrl_c_pressed.is_set():
+                if not is_mistake(err, task, user_errors) or _interrupted.is_set():
                     raise  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
                 if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank says it
                     print(f"error: {one_sentence(err)}", file=sys.stderr)
