@@ -264,6 +264,11 @@ class Lifecycle:
         self.is_main = is_main
         self.status = "RUNNING"
         self.sinks = for_run(info) if is_main else []  # an unreachable store fails here, in seconds
+        if is_main and "resume_step" in info.summary:
+            # Running again: the summary.json of the launch that stopped no longer describes the run, and
+            # `sync` would end it by that file (a live run KILLED, a kill -9 named as that launch's SIGTERM).
+            with contextlib.suppress(OSError):  # a directory that cannot be written fails the run's own writes
+                (info.run_dir / "summary.json").unlink(missing_ok=True)
 
     def notify(self, event: str, *args) -> None:
         notify(self.sinks, event, *args)

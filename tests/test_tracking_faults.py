@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 
 from frontier import tracking
 from frontier.config import PROJECT_ROOT
+from frontier.observers import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
 
@@ -111,11 +112,12 @@ def server(tmp_path, template_db):
 class Trainer:
     """`python -m frontier.train ...` in the background, its stderr in a file the test can read."""
 
-    def __init__(self, run_dir: Path, args: list[str]):
+    def __init__(self, run_dir: Path, args: list[str], resume: bool = False):
         self.run_dir = run_dir
-        self.err_path = run_dir.parent / f"{run_dir.name}.stderr"
+        self.err_path = run_dir.parent / f"{run_dir.name}{'.resume' if resume else ''}.stderr"
+        where = [f"resume={run_dir}"] if resume else [*args, f"hydra.run.dir={run_dir}"]
         with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "frontier.train", *args, f"hydra.run.dir={run_dir}"],
+            self.proc = subprocess.Popen([sys.executable, "-m", "frontier.train", *where],
                                          cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=err)
 
     @property
@@ -336,6 +338,41 @@ def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_pa
     assert run.info.end_time == int(records(run_dir)[-1]["time"] * 1000)  # its last sign of life
     again = sync(run_dir)
     assert again.returncode == 0 and "already in sync" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_resumed_run_is_not_ended_by_the_summary_of_the_launch_it_continues(tmp_path, template_db):
+    """A launch stopped by SIGTERM wrote summary.json (KILLED); once `resume=` continues the run, that file
+    no longer describes it: `sync` leaves the live run RUNNING, and after a kill -9 names what happened."""
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    first = Trainer(run_dir, [*RUN, "budget.max_steps=20", "train.log_every_fraction=0.05",
+                              "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
+    first.wait_for("the first resume.pt", lambda: (run_dir / "resume.pt").exists())
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish() == 130, first.stderr
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["status"] == "KILLED", stopped
+    run_id, resume_step = stopped["mlflow_run_id"], stopped["steps"]
+    client = MlflowClient(uri)
+
+    second = Trainer(run_dir, [], resume=True)
+    second.wait_for("a step after the resume point", lambda: any(
+        r["step"] > resume_step and "train/loss" in r for r in read_records(run_dir / "metrics.jsonl")))
+    second.proc.send_signal(signal.SIGSTOP)  # alive, and holding run.lock
+    live = sync(run_dir)
+    assert live.returncode == 0, live.stderr
+    assert "its process is still running, so the run is left RUNNING" in live.stdout, live.stdout
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+    second.proc.send_signal(signal.SIGKILL)
+    second.finish()
+    dead = sync(run_dir)
+    assert dead.returncode == 0, dead.stderr
+    assert "status KILLED: its process ended without recording its end" in dead.stdout, dead.stdout
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+    assert "kill -9" in run.data.tags["error"] and f"resume={run_dir}" in run.data.tags["error"], run.data.tags
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
