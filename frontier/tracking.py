@@ -54,7 +54,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import lifecycle, paths
 from frontier.cli import command
@@ -774,13 +774,15 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
         raise ConfigError(f"RUN_DIR={run_dir} is not allowed: it is not a run directory (it has neither "
                           f"metrics.jsonl nor summary.json)")
     summary = None
-    if summary_path.is_file():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except ValueError:
-            raise ConfigError(f"RUN_DIR={run_dir} is not allowed: {summary_path} is not JSON") from None
+    if summary_path.exists():  # a folder or an unreadable file in its place is not "no summary": its run ended
+        summary = _load_run_file(run_dir, summary_path, lambda path: json.loads(path.read_text()), "JSON")
+        if not isinstance(summary, dict):
+            raise _not_allowed(run_dir, f"{summary_path} is not a JSON object (it holds {json.dumps(summary)[:40]})")
+        if summary.get("status") not in lifecycle.TERMINAL:  # sync would end the run with a status it never had
+            raise _not_allowed(run_dir, f"{summary_path} has status {summary.get('status')!r}, not one of "
+                                        f"{', '.join(lifecycle.TERMINAL)}")
     unreadable: list[int] = []
-    records = read_records(metrics_path, unreadable)
+    records = _load_run_file(run_dir, metrics_path, lambda path: read_records(path, unreadable), "text")
     if unreadable:  # a line cut short by kill -9, or a damaged file: what it held cannot be sent
         lines = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
         _warn(f"{len(unreadable)} line(s) of {metrics_path} are not metrics records and are left out (line "
@@ -841,11 +843,28 @@ def died_without_end(run_dir: Path) -> str:
     return f"its process ended without recording its end (kill -9, a crash or a lost machine); {how}"
 
 
+def _not_allowed(run_dir: Path, reason: str) -> ConfigError:
+    return ConfigError(f"RUN_DIR={run_dir} is not allowed: {reason}")
+
+
+def _load_run_file(run_dir: Path, path: Path, load: Callable, language: str):
+    """`load(path)`; a file of the run that cannot be read or parsed is one sentence naming it (exit 2):
+    the user's to mend, never taken for a store that did not answer."""
+    try:
+        return load(path)
+    except OSError as err:
+        raise _not_allowed(run_dir, f"{path} cannot be read ({err.strerror or err})") from None
+    except Exception as err:  # text that does not parse
+        raise _not_allowed(run_dir, f"{path} is not {language} ({error_line(err)})") from None
+
+
 def _run_config(run_dir: Path) -> dict:
     """The run's config: Hydra's copy, else the one saved in final.pt or resume.pt; {} without any."""
     hydra_config = run_dir / ".hydra" / "config.yaml"
-    if hydra_config.is_file():
-        loaded = OmegaConf.load(hydra_config)
+    if hydra_config.exists():
+        loaded = _load_run_file(run_dir, hydra_config, OmegaConf.load, "YAML")
+        if not isinstance(loaded, DictConfig):
+            raise _not_allowed(run_dir, f"{hydra_config} is not a mapping of config keys (it holds a list)")
         try:
             return OmegaConf.to_container(loaded, resolve=True)
         except Exception:  # an interpolation that needs Hydra's runtime: keep it as written
@@ -854,7 +873,10 @@ def _run_config(run_dir: Path) -> dict:
         if (run_dir / name).is_file():
             from frontier.checkpoint import read_checkpoint
 
-            return read_checkpoint(run_dir / name, "sync", keys=("config",))["config"]
+            config = read_checkpoint(run_dir / name, "sync", keys=("config",))["config"]
+            if not isinstance(config, dict):
+                raise _not_allowed(run_dir, f"{run_dir / name} holds no config mapping")
+            return config
     return {}
 
 
@@ -880,8 +902,9 @@ def _create_synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_di
                        records: list[dict]) -> str:
     tags = {"run_dir": str(run_dir.resolve())}
     overrides = run_dir / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        tags["hydra.overrides"] = " ".join(str(o) for o in OmegaConf.load(overrides))
+    if overrides.exists():
+        loaded = _load_run_file(run_dir, overrides, OmegaConf.load, "YAML")
+        tags["hydra.overrides"] = " ".join(str(o) for o in (loaded if isinstance(loaded, ListConfig) else []))
     parent = _existing_run(client, cfg.parent_run_id)
     if parent:
         tags[MLFLOW_PARENT_RUN_ID] = parent

@@ -605,6 +605,56 @@ def test_a_filesystem_that_cannot_lock_runs_unguarded_with_a_warning(tmp_path, s
     assert MlflowClient(store).get_run(run_id).info.status == "RUNNING"
 
 
+def damage_summary_into_a_folder(run_dir: Path) -> None:
+    (run_dir / "summary.json").unlink()
+    (run_dir / "summary.json").mkdir()
+
+
+def damage_metrics_into_a_folder(run_dir: Path) -> None:
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json is not a JSON object"),
+    (lambda d: (d / "summary.json").write_text("null"), "summary.json is not a JSON object"),
+    (lambda d: (d / "summary.json").write_text('{"status": 5}'), "summary.json has status 5, not one of"),
+    (damage_summary_into_a_folder, "summary.json cannot be read (Is a directory)"),
+    (damage_metrics_into_a_folder, "metrics.jsonl cannot be read (Is a directory)"),
+    (lambda d: (d / ".hydra" / "config.yaml").write_text("a: [\n"), "config.yaml is not YAML"),
+    (lambda d: (d / ".hydra" / "config.yaml").write_text("- 1\n"), "config.yaml is not a mapping"),
+])
+def test_sync_names_a_run_file_it_cannot_read_and_leaves_the_run_as_it_was(tmp_path, store, damage, says):
+    """A run directory's own file that is unreadable or of the wrong kind is one sentence naming it, exit 2:
+    never blamed on the store (exit 1, "run it again when the store answers"), never a status it did not end with."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("model:\n  depth: 4\n")
+    now = time.time()
+    (run_dir / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "time": now, "train/loss": 4.0}) + "\n"
+        + json.dumps({"step": 1, "time": now, "final": True, "status": "FINISHED", "val_bpb": 3.0}) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps({"status": "FINISHED", "error": None, "steps": 1,
+                                                       "val_bpb": 3.0}))
+
+    def sync():
+        return subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), f"tracking.uri={store}"],
+                              cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+
+    first = sync()
+    assert first.returncode == 0 and "status FINISHED" in first.stdout, first.stdout + first.stderr
+    client = MlflowClient(store)
+    run_id = only_run(client).info.run_id
+    damage(run_dir)
+    done = sync()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: RUN_DIR={run_dir} is not allowed: {run_dir}") and says in done.stderr, (
+        done.stderr)
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "FINISHED"
+
+
 # -----------------------------------------------------------------------------
 # Leaderboard
 
