@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 import weakref
@@ -99,10 +98,16 @@ class MetricsFile:
             f.write(json.dumps(record) + "\n")
 
     def _keep_until(self, step: int) -> None:
-        kept = [r for r in read_records(self.path) if r["step"] <= step and "final" not in r]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        from frontier.config import ConfigError
+        from frontier.lifecycle import atomic_write  # which imports this module
+
+        try:
+            kept = [r for r in read_records(self.path) if r["step"] <= step and "final" not in r]
+        except OSError as err:  # a folder in its place, a failing disk: the resume is refused, nothing written
+            raise ConfigError(f"resume={self.path.parent} is not allowed: {self.path} cannot be read "
+                              f"({err.strerror or err})") from None
+        # A full disk is one line naming metrics.jsonl (RunWriteError), and leaves no .tmp
+        atomic_write(self.path, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in kept)))
 
 
 RECORD_FIELDS = ("step", "time", "checkpoint", "final", "status")  # a record's bookkeeping, not metrics

@@ -100,6 +100,38 @@ def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_whose_metrics_file_cannot_be_rewritten_is_one_line_and_leaves_no_tmp(wiki, tmp_path):
+    """resume= first rewrites metrics.jsonl without what the killed process logged after resume.pt: a full
+    disk there is one line naming the file (exit 1), a folder in its place one sentence (exit 2)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here to stand for a full disk")
+    run_dir = tmp_path / "run"
+    proc = cli([*FAST, "budget.max_steps=16", "checkpoint.every_fraction=0.25", "eval.every_fraction=0",
+                f"hydra.run.dir={run_dir}"])
+    wait_for(run_dir / "resume.pt", proc)
+    proc.kill()
+    proc.wait()
+    logged = (run_dir / "metrics.jsonl").read_bytes()
+
+    (run_dir / "metrics.jsonl.tmp").symlink_to("/dev/full")  # the kernel's own full disk
+    full = cli([f"resume={run_dir}"])
+    _, err = full.communicate(timeout=600)
+    assert full.returncode == 1 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: cannot write {run_dir / 'metrics.jsonl'}: No space left on device"], err
+    assert not list(run_dir.glob("*.tmp")) and (run_dir / "metrics.jsonl").read_bytes() == logged
+
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+    folder = cli([f"resume={run_dir}"])
+    _, err = folder.communicate(timeout=600)
+    assert folder.returncode == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: resume={run_dir} is not allowed: {run_dir / 'metrics.jsonl'} cannot be read (Is a directory)"], err
+    assert not list(run_dir.glob("*.tmp")) and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(wiki, tmp_path):
     proc = cli([*FAST, "budget.max_steps=100000", "checkpoint.every_fraction=0.00001", "eval.every_fraction=0",
                 f"hydra.run.dir={tmp_path}"])
