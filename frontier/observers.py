@@ -19,6 +19,8 @@ import time
 import weakref
 from pathlib import Path
 
+from frontier.config import ConfigError
+
 
 class StopRun(Exception):
     """Raised by an observer to end the run early with a status (for example PRUNED)."""
@@ -98,7 +100,6 @@ class MetricsFile:
             f.write(json.dumps(record) + "\n")
 
     def _keep_until(self, step: int) -> None:
-        from frontier.config import ConfigError
         from frontier.lifecycle import atomic_write  # which imports this module
 
         try:
