@@ -249,6 +249,11 @@ def for_run(run) -> list:
             from frontier.trial import TrialReporter
 
             found.append(TrialReporter.for_run(run))
+        if "resume_step" in run.summary:
+            # Running again: the summary.json of the launch that stopped no longer describes the run, and
+            # `sync` would end it by that file (a live run KILLED, a kill -9 named as that launch's SIGTERM).
+            with contextlib.suppress(OSError):  # a directory that cannot be written fails the run's own writes
+                (run.run_dir / "summary.json").unlink(missing_ok=True)
     except BaseException as err:
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         notify(found[1:], "on_end", {**run.summary, "status": status}, status, f"not started: {error_line(err)}")
@@ -264,11 +269,6 @@ class Lifecycle:
         self.is_main = is_main
         self.status = "RUNNING"
         self.sinks = for_run(info) if is_main else []  # an unreachable store fails here, in seconds
-        if is_main and "resume_step" in info.summary:
-            # Running again: the summary.json of the launch that stopped no longer describes the run, and
-            # `sync` would end it by that file (a live run KILLED, a kill -9 named as that launch's SIGTERM).
-            with contextlib.suppress(OSError):  # a directory that cannot be written fails the run's own writes
-                (info.run_dir / "summary.json").unlink(missing_ok=True)
 
     def notify(self, event: str, *args) -> None:
         notify(self.sinks, event, *args)

@@ -432,7 +432,11 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         summary.update(state["summary"])
         summary["resumed"] = summary.get("resumed", 0) + 1
         summary["resume_step"] = state["clock"]["steps"]  # sinks drop what they recorded after it
-    owner = None
+    if not plan.world.is_main:  # one rank speaks for the job
+        display = RunDisplay(enabled=False, quiet=True)
+    else:
+        display = display or RunDisplay(enabled=sys.stderr.isatty())
+    run, status, error, trained, owner = None, "FAILED", None, False, None
     try:
         if plan.world.is_main:  # rank 0 writes the run directory, so it owns it
             owner = lifecycle.own(run_dir, "resume" if state is not None else "hydra.run.dir")
@@ -441,12 +445,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         lifecycle.disown(owner)
         plan.world.close()
         raise
-    if not plan.world.is_main:  # one rank speaks for the job
-        display = RunDisplay(enabled=False, quiet=True)
-    else:
-        display = display or RunDisplay(enabled=sys.stderr.isatty())
-    run, status, error, trained = None, "FAILED", None, False
-    try:
+    try:  # no call lies between the sinks' start and here, where a signal could leave the run unrecorded
         run = setup(raw, run_dir, plan, summary)
         summary.update(describe(run))
         if state is not None:
