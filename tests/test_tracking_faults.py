@@ -62,6 +62,12 @@ def template_db(tmp_path_factory) -> Path:
     return path
 
 
+def store_in(folder: Path, template_db: Path) -> str:
+    """A fresh SQLite store in `folder`, copied from the template; its URI."""
+    shutil.copy(template_db, folder / "mlflow.db")
+    return f"sqlite:///{folder / 'mlflow.db'}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -252,8 +258,7 @@ def test_server_that_never_comes_back_then_sync(tmp_path, server):
 
 
 def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=20", "train.log_every_fraction=0.05",
                                 "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])  # resume.pt every 5 steps
@@ -314,8 +319,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
 
 def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_path, template_db):
     """A run killed before it wrote any resume.pt cannot be resumed: `sync` ends its MLflow run, once."""
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=400", "train.log_every_fraction=0.01",
                                 "checkpoint.every_fraction=0", f"tracking.uri={uri}"])
@@ -343,8 +347,7 @@ def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_pa
 def test_a_resumed_run_is_not_ended_by_the_summary_of_the_launch_it_continues(tmp_path, template_db):
     """A launch stopped by SIGTERM wrote summary.json (KILLED); once `resume=` continues the run, that file
     no longer describes it: `sync` leaves the live run RUNNING, and after a kill -9 names what happened."""
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     first = Trainer(run_dir, [*RUN, "budget.max_steps=20", "train.log_every_fraction=0.05",
                               "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
@@ -445,8 +448,7 @@ def runs_of(client: MlflowClient, run_dir: Path) -> list:
 @pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1", "log_text:1"])
 def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, template_db, moment):
     """create_run:1 is the moment the run exists in the store but its id is not known yet."""
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     done = signalled_launch(tmp_path, [*RUN, "budget.max_steps=2", f"tracking.uri={uri}",
                                        f"hydra.run.dir={run_dir}"], moment)
@@ -457,8 +459,7 @@ def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, templa
 
 
 def test_sigterm_while_a_resume_reopens_its_mlflow_run_ends_it_killed_again(tmp_path, template_db):
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=8", "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])
     trainer.wait_for("resume.pt", lambda: (run_dir / "resume.pt").exists())
@@ -501,8 +502,7 @@ def fill(disk: Path) -> Path:
 
 
 def test_store_on_a_disk_that_fills_up_mid_run_then_sync(tmp_path, template_db, small_disk):
-    shutil.copy(template_db, small_disk / "mlflow.db")
-    uri = f"sqlite:///{small_disk / 'mlflow.db'}"
+    uri = store_in(small_disk, template_db)
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=12", f"tracking.uri={uri}", "tracking.flush_seconds=3"])
     trainer.wait_for("the MLflow run", lambda: (run_dir / "tracking.json").exists())
