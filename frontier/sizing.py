@@ -6,13 +6,23 @@ an explicit `model=...` or `budget=...` always wins.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from omegaconf import OmegaConf
 
 chosen: dict[str, str] = {}  # group -> the option picked for this machine, for the start-up line
 
 
+# Device files without which no CUDA GPU (/dev/nvidia*, /dev/dxg under WSL) or Trainium (/dev/neuron*) can be
+# seen on Linux: where none exists, torch (2 s to import) is not needed to know there is no accelerator.
+ACCELERATOR_DEVICE_FILES = ("nvidia*", "dxg", "neuron*")
+
+
 def accelerator() -> str | None:
     """The accelerator `device=auto` would pick, or None on a CPU-only machine."""
+    if sys.platform == "linux" and not any(any(Path("/dev").glob(pattern)) for pattern in ACCELERATOR_DEVICE_FILES):
+        return None
     import torch
 
     if torch.cuda.is_available():

@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,24 @@ def test_a_cpu_run_keeps_freed_memory_in_the_heap(device, mmapped):
     if done.stdout.strip() == "no mallinfo2":
         pytest.skip("the C library is not glibc >= 2.33 (no mallinfo2 to read its mmapped bytes)")
     assert done.stdout.strip() == mmapped
+
+
+def test_a_machine_without_accelerator_device_files_is_sized_without_importing_torch(tmp_path):
+    """torch takes seconds to import: a mistake on the command line of a CPU-only machine is found sooner."""
+    from frontier import sizing
+
+    if sys.platform != "linux" or any(any(Path("/dev").glob(p)) for p in sizing.ACCELERATOR_DEVICE_FILES):
+        pytest.skip("this machine has accelerator device files, so torch is asked")
+    code = "import sys; from frontier import sizing; print(sizing.accelerator(), 'torch' in sys.modules)"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert shown.stdout.split() == ["None", "False"], shown.stdout + shown.stderr
+
+
+def test_where_accelerator_device_files_exist_torch_decides(monkeypatch):
+    from frontier import sizing
+
+    monkeypatch.setattr(sizing, "ACCELERATOR_DEVICE_FILES", ("null",))  # /dev/null: a device file is there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sizing.accelerator() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sizing.accelerator() in (None, "neuron")
