@@ -135,9 +135,14 @@ def ensure_store(uri: str) -> None:
         raise ConfigError(f"tracking.uri={uri} could not be opened ({store_error_line(err)})") from None
 
 
-def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None) -> str:
+def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None,
+                     opened: dict | None = None) -> str:
     """A sweep's parent run; trials nest under it through `tracking.parent_run_id`. `run_id`: the
-    study's parent run, which every driver of the study continues (reopened when it had ended)."""
+    study's parent run, which every driver of the study continues (reopened when it had ended).
+    `opened["run_id"]` names the run as soon as it is RUNNING in the store, also when a signal or an
+    error breaks the start off (inside `create_run` too: the run is then found by `tags`, which
+    should name this caller alone), so that the caller can end it instead of leaving it RUNNING."""
+    opened = {} if opened is None else opened
     uri = tracking_uri(tracking_cfg)
     ensure_store(uri)
     client = MlflowClient(uri)
@@ -149,14 +154,33 @@ def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: 
                 raise  # a store that failed to answer: a second parent run would split the sweep
             existing = None
         if existing is not None and existing.info.lifecycle_stage == "active":
+            opened["run_id"] = run_id
             if existing.info.status != "RUNNING":
                 _retry(client.update_run, run_id, status="RUNNING")
             return run_id
     experiment_id = _experiment_id(client, uri, tracking_cfg.experiment)
     all_tags = {RUN_KIND_TAG: "sweep", **_source_tags(), **{k: str(v) for k, v in tags.items()}}
-    run = _retry(client.create_run, experiment_id, run_name=name, tags=_clip_tags(all_tags))
+    try:
+        run = _retry(client.create_run, experiment_id, run_name=name, tags=_clip_tags(all_tags))
+    except BaseException:
+        with contextlib.suppress(Exception):  # the store is what failed: nothing to find then
+            found = _running_with_tags(client, experiment_id, tags)
+            if len(found) == 1:
+                opened["run_id"] = found[0]
+        raise
+    opened["run_id"] = run.info.run_id
     _log_params(client, run.info.run_id, flatten(params))
     return run.info.run_id
+
+
+def _running_with_tags(client: MlflowClient, experiment_id: str, tags: dict) -> list[str]:
+    """The RUNNING runs of an experiment that carry every one of `tags`."""
+    if not tags or any("'" in str(value) or "`" in key for key, value in tags.items()):
+        return []  # nothing to tell the run by, or not expressible in MLflow's filter syntax
+    conditions = [f"tags.`{key}` = '{value}'" for key, value in tags.items()]
+    found = client.search_runs([experiment_id], max_results=10,
+                               filter_string=" and ".join([*conditions, "attributes.status = 'RUNNING'"]))
+    return [run.info.run_id for run in found]
 
 
 def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
 from tests.conftest import POSTGRES, postgres_or_skip
-from tests.test_tracking_faults import Server, template_db  # noqa: F401 (a fixture)
+from tests.test_tracking_faults import MLFLOW_SIGNAL, Server, template_db  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
@@ -310,6 +310,36 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
         assert (tmp_path / "out" / "0" / "resume.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1"])
+def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_keeps_it(tmp_path, template_db,
+                                                                                        moment):
+    """SIGTERM as the sweep's MLflow parent run is created (create_run:1: it exists in the store, its
+    id not yet returned) or takes its params: such a run once stayed RUNNING for good, unknown to the
+    study, and the study's next driver opened a second parent run."""
+    from mlflow import MlflowClient
+
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = str(tmp_path / "study.journal")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+           "FRONTIER_TEST_MLFLOW_SIGNAL": moment}
+    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
+                                         "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=signalled"),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    client = MlflowClient(uri)
+    (parent,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert parent.data.tags["run_kind"] == "sweep" and parent.info.status == "KILLED", moment
+    study = load(storage, "signalled")
+    assert study.user_attrs["mlflow_run_id"] == parent.info.run_id  # the next driver reopens it
+    assert not study.trials and drivers_ended(study) == [True]
 
 
 @pytest.mark.slow

@@ -358,15 +358,22 @@ class Sweep:
                   "n_trials": self.n_trials, "n_jobs": self.sweep.n_jobs, "timeout": self.sweep.timeout,
                   "overrides": " ".join(self.fixed)}
         params.update({f"space.{key}": str(dist) for key, dist in self.space.items()})
-        tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name}
+        # sweep.driver names this driver's run, should a signal inside create_run leave it without its id
+        tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name, "sweep.driver": str(self.driver)}
         uri = tracking.tracking_uri(cfg)
         with self.locked():  # two drivers starting together must not create two parent runs
             attrs = self.study.user_attrs
             existing = attrs.get("mlflow_run_id") if attrs.get("mlflow_tracking_uri") == uri else None
-            self.parent_run_id = tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags,
-                                                           run_id=existing)
-            self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
-            self.study.set_user_attr("mlflow_tracking_uri", uri)
+            opened = {}
+            try:
+                tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
+                                          opened=opened)
+            finally:  # also when a signal broke the start off: the sweep's end then ends the run KILLED,
+                # and the study's next driver reopens it (a run left unnamed here stayed RUNNING for good)
+                self.parent_run_id = opened.get("run_id")
+                if self.parent_run_id is not None:
+                    self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
+                    self.study.set_user_attr("mlflow_tracking_uri", uri)
 
     def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
         """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
