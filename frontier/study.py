@@ -339,9 +339,10 @@ def live_drivers(study: optuna.Study, grace_period: float) -> list[Process]:
 
 
 def all_drivers_ended(study: optuna.Study) -> bool:
-    """Every driver that ran the study has recorded its end."""
-    records = study._storage.get_study_system_attrs(study._study_id)
-    return all(record.get("ended") for key, record in records.items() if key.startswith("driver:"))
+    """Every driver that ran the study has ended: it recorded its end, or it is gone without one (a
+    kill -9: on this machine its pid has exited, elsewhere it has not beaten for the study's
+    `grace_period`)."""
+    return not live_drivers(study, study.user_attrs.get("grace_period", 120))
 
 
 def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[FrozenTrial]:

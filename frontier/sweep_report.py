@@ -239,7 +239,8 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
 
 def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
     """Attach the report to the MLflow run of the sweep that last ran this study, and end that run
-    when the sweep's last driver could not (the store was down then): with the status it meant."""
+    when the sweep's last driver could not: with the status it meant (the store was down then), or
+    KILLED when it meant none (it was killed, kill -9, before it could end the run)."""
     run_id, uri = study.user_attrs.get("mlflow_run_id"), study.user_attrs.get("mlflow_tracking_uri")
     if not run_id or not uri:
         return None
@@ -249,8 +250,8 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
 
     client = MlflowClient(tracking_uri=uri)
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")
-    status = study.user_attrs.get("mlflow_run_status")
-    if status and all_drivers_ended(study) and client.get_run(run_id).info.status == "RUNNING":
+    status = study.user_attrs.get("mlflow_run_status") or "KILLED"
+    if all_drivers_ended(study) and client.get_run(run_id).info.status == "RUNNING":
         client.set_tag(run_id, "status", status)
         client.set_terminated(run_id, MLFLOW_STATUS.get(status, status))
         print(f"ended the sweep's MLflow run {run_id} {status}")

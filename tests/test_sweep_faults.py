@@ -213,6 +213,41 @@ def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_
     assert all(r.info.status in ("KILLED", "FAILED") for r in runs if r.data.tags.get("run_kind") != "sweep")
 
 
+@pytest.mark.slow
+def test_sweep_report_ends_the_parent_run_of_a_killed_driver_killed_once_no_driver_is_left(tmp_path):
+    """The study's only driver is killed (kill -9) while its trial trains, and no driver follows: its
+    MLflow parent run once stayed RUNNING for good, as sweep_report ended only runs whose driver had
+    recorded its end. While the driver lives, sweep_report leaves the run RUNNING."""
+    from mlflow import MlflowClient
+
+    storage = str(tmp_path / "study.journal")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "sweep.n_trials=1", f"sweep.storage={storage}",
+            "sweep.study_name=killed"]
+    driver = subprocess.Popen(driver_command(tmp_path / "out", *args), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    report = [sys.executable, "-m", "frontier.sweep_report", "study=killed", f"storage={storage}"]
+    try:
+        wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
+        trial = Process.parse(trial_attr(storage, "killed", "process"))
+        done = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run_id = load(storage, "killed").user_attrs["mlflow_run_id"]
+        client = MlflowClient(uri)
+        assert client.get_run(run_id).info.status == "RUNNING"  # its driver still runs the sweep
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_for(lambda: gone(trial), 120, "the orphaned trial to exit")
+    done = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ended the sweep's MLflow run {run_id} KILLED" in done.stdout
+    assert client.get_run(run_id).info.status == "KILLED"
+    (trial_0,) = load(storage, "killed").get_trials(deepcopy=False)
+    assert trial_0.state == TrialState.FAIL
+    assert client.get_run(trial_0.user_attrs["mlflow_run_id"]).info.status == "KILLED"
+
+
 # -----------------------------------------------------------------------------
 # Two drivers of one PostgreSQL study: distinct proposals, one MLflow parent run
 

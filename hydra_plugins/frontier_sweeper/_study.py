@@ -317,6 +317,7 @@ class Sweep:
         study.set_user_attr("overrides", self.fixed)
         study.set_user_attr("every_fraction", self.config.eval.every_fraction)
         study.set_user_attr("budget_seconds", self.config.budget.seconds)
+        study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
         return study
 
@@ -374,6 +375,9 @@ class Sweep:
                 if self.parent_run_id is not None:
                     self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
                     self.study.set_user_attr("mlflow_tracking_uri", uri)
+                    # an earlier driver's status is not this one's: killed before it sets its own,
+                    # the run is ended KILLED by sweep_report
+                    self.study.set_user_attr("mlflow_run_status", None)
 
     def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
         """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
