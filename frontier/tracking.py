@@ -57,7 +57,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import lifecycle, paths
-from frontier.cli import command
+from frontier.cli import command, unwritable
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
@@ -114,6 +114,24 @@ def probe_server(tracking_cfg) -> None:
     uri = tracking_uri(tracking_cfg)
     if _is_http(uri):
         _probe(uri)
+
+
+def check_store_folder(tracking_cfg) -> None:
+    """A SQLite store must be one that can be created where it is named, found out before anything is
+    written (the database itself is made when the run or sweep starts, after Hydra has written its
+    run or sweep directory and a sweep its study)."""
+    uri = tracking_uri(tracking_cfg)
+    db = paths.sqlite_path(uri)
+    if db is None:
+        return
+    db = db.expanduser()
+    if db.is_dir():
+        raise ConfigError(f"tracking.uri={uri} is not allowed: {db} is a directory; name the database "
+                          "file, e.g. sqlite:///mlruns/mlflow.db")
+    found = unwritable(db.parent)
+    if found:
+        raise ConfigError(f"tracking.uri={uri} is not allowed: its database cannot be created "
+                          f"({found[1]}); {found[0]} is not a writable directory")
 
 
 def ensure_store(uri: str) -> None:

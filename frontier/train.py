@@ -35,8 +35,8 @@ def say(message: str) -> None:
 def check(cfg: DictConfig) -> None:
     """Checked before Hydra writes anything: where `resume=` points and that no process still runs that run,
     that this machine has the device, kernels and CORE bundle the run needs, that a local data.path holds
-    data, that data.cache_dir can be written, and that a tracking server answers (a resumed run reads its
-    saved config, checked when it starts)."""
+    data, that data.cache_dir can be written, and that a tracking server answers or a SQLite store can be
+    created (a resumed run reads its saved config, checked when it starts)."""
     if cfg.resume is not None:
         from frontier.lifecycle import check_not_running
         from frontier.trainer import resume_location
@@ -53,10 +53,13 @@ def check(cfg: DictConfig) -> None:
 
         resolve_splits(OmegaConf.to_object(cfg.data))
     cli.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
-    if cfg.tracking.enabled and cfg.tracking.required:
-        from frontier.tracking import probe_server
+    # a sweep's driver opens its store whatever tracking.required says, after its study is created
+    if cfg.tracking.enabled and (cfg.tracking.required or cfg.get("sweep") is not None):
+        from frontier.tracking import check_store_folder, probe_server
 
-        probe_server(OmegaConf.to_object(cfg.tracking))
+        tracking = OmegaConf.to_object(cfg.tracking)
+        probe_server(tracking)
+        check_store_folder(tracking)
 
 
 @cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)

@@ -184,6 +184,26 @@ def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
+@pytest.mark.parametrize("args", [[], ["--multirun", "sweep=lr"],
+                                  ["--multirun", "sweep=lr", "tracking.required=false"]],
+                         ids=["run", "sweep", "sweep, not required"])
+def test_a_tracking_store_that_cannot_be_created_is_refused_before_anything_is_written(tmp_path, args):
+    """A SQLite tracking.uri whose folder cannot be created was found only as the store was opened: by
+    then Hydra had made the run directory, and a sweep its sweep directory and its study (whose driver
+    opens the store whatever tracking.required says)."""
+    (tmp_path / "a_file").write_text("")
+    uri = f"sqlite:///{tmp_path / 'a_file' / 'mlflow.db'}"
+    options, overrides = args[:1], args[1:]
+    if overrides:
+        overrides.append(f"sweep.storage={tmp_path}/study.journal")
+    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides, f"tracking.uri={uri}"],
+                     timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: tracking.uri={uri} is not allowed: its database cannot be created (Not a " \
+                            f"directory); {tmp_path / 'a_file'} is not a writable directory\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["device=cuda"], "device='cuda' is not available: torch "),
     (["kernel=nki"], "the nki kernels (rmsnorm, relu2) cannot run here: "),
