@@ -377,6 +377,49 @@ def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_ke
     assert not study.trials and drivers_ended(study) == [True]
 
 
+# A test-only sitecustomize.py: the tracking store fails every MlflowClient.log_batch, as one that goes away
+# between the command line's check and the sweep's start.
+FAILING_LOG_BATCH = """
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+def failing(self, *args, **kwargs):
+    raise MlflowException("the store went away")
+
+MlflowClient.log_batch = failing
+"""
+
+
+@pytest.mark.slow
+def test_a_store_failing_as_the_parent_run_starts_is_one_error_line_and_the_run_ends_failed(tmp_path, template_db):
+    """The store fails while the sweep's parent run takes its params: this was a traceback, with the
+    run left RUNNING, no report and the driver never recorded as ended."""
+    from mlflow import MlflowClient
+
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = str(tmp_path / "study.journal")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_LOG_BATCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
+                                         "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=failing"),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the sweep stopped before its first trial: tracking.uri={uri} could not start the "
+                      "sweep's MLflow run (MlflowException: the store went away)"], output[-3000:]
+    (parent,) = MlflowClient(uri).search_runs([e.experiment_id for e in MlflowClient(uri).search_experiments()])
+    assert parent.info.status == "FAILED"
+    study = load(storage, "failing")
+    assert study.user_attrs["mlflow_run_id"] == parent.info.run_id
+    assert not study.trials and drivers_ended(study) == [True]
+    assert (tmp_path / "out" / "report" / "report.md").exists()
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_run(tmp_path):
     """Every trial diverges: the sweep stops after the first (sweep.max_failures=0), says why in one

@@ -353,7 +353,10 @@ class Sweep:
             log.warning("frontier.tracking is not available: this sweep is not recorded in MLflow")
             return
         cfg = OmegaConf.to_object(self.config.tracking)
-        tracking.ensure_store(tracking.tracking_uri(cfg))  # once, before parallel trials race to create it
+        try:
+            tracking.ensure_store(tracking.tracking_uri(cfg))  # once, before parallel trials race to create it
+        except ConfigError as err:  # checked with the command line, but it failed since
+            raise TrackingStartError(str(err)) from None
         params = {"study": self.study_name, "storage": safe_storage(self.storage_spec),
                   "sampler": self.sweep.sampler, "seed": self.sweep.seed, "pruner": self.sweep.pruner,
                   "n_trials": self.n_trials, "n_jobs": self.sweep.n_jobs, "timeout": self.sweep.timeout,
@@ -369,6 +372,9 @@ class Sweep:
             try:
                 tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
                                           opened=opened)
+            except Exception as err:  # the store failed half-way: the sweep stops, its end still recorded
+                raise TrackingStartError(f"tracking.uri={uri} could not start the sweep's MLflow run "
+                                         f"({tracking.store_error_line(err)})") from err
             finally:  # also when a signal broke the start off: the sweep's end then ends the run KILLED,
                 # and the study's next driver reopens it (a run left unnamed here stayed RUNNING for good)
                 self.parent_run_id = opened.get("run_id")
@@ -591,7 +597,12 @@ class Sweep:
         try:
             self.sweep_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
-            self.start_tracking()
+            try:
+                self.start_tracking()
+            except TrackingStartError as err:  # no trial starts; the report, the driver's end and the
+                self.errors.append(err)  # parent run (FAILED, if it was created) are still recorded
+                self.stop_reason = "its MLflow run could not be started"
+                self.stopping.set()
             log.info(f"sweep {self.study_name!r}: {self.sweep.sampler} sampler, {self.sweep.pruner} pruner, "
                      f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
                      f"{safe_storage(self.storage_spec)}, trial outputs in {self.sweep_dir}")
@@ -627,6 +638,8 @@ class Sweep:
         return result
 
     def describe_error(self, err: BaseException) -> str:
+        if isinstance(err, TrackingStartError):
+            return f"the sweep stopped before its first trial: {err}"
         where = f"its storage {safe_storage(self.storage_spec)} failed" if from_storage(err) else "a worker failed"
         return (f"the sweep stopped: {where} ({error_line(storage_cause(err))}); each trial's summary.json and "
                 f"output.log are under {self.sweep_dir}")
@@ -701,6 +714,11 @@ class Sweep:
         """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
         return (f"python -m frontier.sweep_report study={self.study_name} "
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
+
+
+class TrackingStartError(Exception):
+    """The tracking store failed as the sweep opened its MLflow parent run, after the command line's
+    check found it usable."""
 
 
 def signal_session(process: subprocess.Popen, sig: int) -> None:
