@@ -45,14 +45,14 @@ def check(cfg: DictConfig) -> None:
         if run_dir is not None:
             check_not_running(run_dir, "resume")
         return
-    from frontier.trainer import check_runnable
-
-    check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     if cfg.data.source == "local":
         from frontier.data import resolve_splits
 
         resolve_splits(OmegaConf.to_object(cfg.data))
     cli.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
+    from frontier.trainer import check_runnable  # imports torch: after the checks that need none
+
+    check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     # a sweep's driver opens its store whatever tracking.required says, after its study is created
     if cfg.tracking.enabled and (cfg.tracking.required or cfg.get("sweep") is not None):
         from frontier.tracking import check_store_folder, probe_server
