@@ -628,10 +628,8 @@ def _end_broken_start(client: MlflowClient, run, opened: dict[str, str], err: Ba
     run_dir = str(Path(run.run_dir).resolve())
     try:
         run_ids = [opened["run_id"]] if "run_id" in opened else []
-        if not run_ids and "experiment_id" in opened and "'" not in run_dir:
-            found = client.search_runs([opened["experiment_id"]], max_results=10, filter_string=(
-                f"tags.run_dir = '{run_dir}' and attributes.status = 'RUNNING'"))
-            run_ids = [r.info.run_id for r in found]
+        if not run_ids and "experiment_id" in opened:
+            run_ids = _running_with_tags(client, opened["experiment_id"], {"run_dir": run_dir})
         for run_id in run_ids:
             _set_status(client, run_id, status, f"not started: {store_error_line(err)}", _now_ms())
     except Exception:  # the store is what failed: the run's own files hold what there is
