@@ -34,8 +34,8 @@ def say(message: str) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Checked before Hydra writes anything: where `resume=` points and that no process still runs that run,
-    that this machine has the device, kernels and CORE bundle the run needs, that a local data.path holds
-    data, that data.cache_dir can be written, and that a tracking server answers or a SQLite store can be
+    that a local data.path holds data, that data.cache_dir can be written, that this machine has the device,
+    kernels and CORE bundle the run needs, and that a tracking server answers or a SQLite store can be
     created (a resumed run reads its saved config, checked when it starts)."""
     if cfg.resume is not None:
         from frontier.lifecycle import check_not_running
