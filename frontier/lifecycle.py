@@ -161,11 +161,6 @@ def _try_lock(run_dir: Path, create: bool) -> int | None:
     return fd
 
 
-def _release(fd: int) -> None:
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
 def in_use(run_dir: Path, key: str) -> ConfigError:
     lock = Path(run_dir) / LOCK_FILE
     return ConfigError(f"{key}={run_dir} is not allowed: another process is running the run there (it holds "
@@ -192,9 +187,12 @@ def own(run_dir: Path, key: str) -> int | None:
 
 
 def disown(fd: int | None) -> None:
+    """Releases run.lock: unlocked first, for a child process that may share the descriptor."""
     if fd is not None:
         with contextlib.suppress(OSError):
-            _release(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def check_not_running(run_dir: Path, key: str) -> None:
