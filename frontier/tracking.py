@@ -872,8 +872,9 @@ def _end_dead_run(client: MlflowClient, run_id: str, run_dir: Path, records: lis
     if ended_as != "RUNNING":
         return f"its process ended without recording its end, and MLflow has the run {ended_as} already"
     end_ms = int(records[-1]["time"] * 1000) if records else _now_ms()  # its last sign of life
-    _set_status(client, run_id, "KILLED", died_without_end(run_dir), end_ms)
-    return f"status KILLED: {died_without_end(run_dir)}"
+    reason = died_without_end(run_dir)
+    _set_status(client, run_id, "KILLED", reason, end_ms)
+    return f"status KILLED: {reason}"
 
 
 def died_without_end(run_dir: Path) -> str:
