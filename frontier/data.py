@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from frontier.config import DataConfig, project_path
 from frontier.tokenizer import Tokenizer, train_tokenizer
 
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
+FORMATS = f"{', '.join(TEXT_SUFFIXES[:-1])} or {TEXT_SUFFIXES[-1]}"
 CACHE_VERSION = 2  # bump when the on-disk token format changes, so old caches are rebuilt
 
 
@@ -56,16 +58,28 @@ def resolve_splits(cfg: DataConfig) -> tuple[Split, Split]:
     if cfg.source == "hub":
         return _download_hub_shards(cfg)
     path = Path(cfg.path).expanduser()
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise DataError(f"data.path={cfg.path!r} does not exist (looked in {path.resolve()}); set data.path, "
                         "or FRONTIER_DATA to the folder holding text/wiki_en")
+    problem = _not_data(path)
+    if problem:
+        raise DataError(f"data.path={cfg.path!r} is not allowed: it is {problem}; point it at a {FORMATS} file, "
+                        "or a directory of them")
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:
             raise DataError(f"data.path={cfg.path!r} is not allowed: {path} is not a data file; point it at a "
-                            f"{', '.join(TEXT_SUFFIXES[:-1])} or {TEXT_SUFFIXES[-1]} file, or a directory of them")
+                            f"{FORMATS} file, or a directory of them")
         files = [path]
     else:
-        files = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES and p.is_file())
+        try:
+            entries = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES)
+        except OSError as err:
+            raise DataError(f"cannot read the folder {path} ({_os_error(err)})") from None
+        for entry in entries:  # skipping one would silently drop a shard, or make another the validation split
+            problem = _not_data(entry)
+            if problem:
+                raise DataError(f"data.path={cfg.path!r} is not allowed: {entry} is {problem}; fix or remove it")
+        files = [p for p in entries if p.is_file()]
     if not files:
         raise DataError(f"data.path={cfg.path!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
     suffixes = {f.suffix for f in files}
@@ -78,6 +92,18 @@ def resolve_splits(cfg: DataConfig) -> tuple[Split, Split]:
         cut = 1.0 - cfg.val_fraction
         return Split(tuple(files), (0.0, cut)), Split(tuple(files), (cut, 1.0))
     return Split(tuple(files[:-1])), Split((files[-1],))
+
+
+def _not_data(path: Path) -> str | None:
+    """Why `path`, which is there, can hold no data (None for a regular file or a folder)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:  # a link to nothing, or a loop of links
+        return f"a symbolic link that cannot be followed ({err.strerror or err})"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{kind}, not a regular file"
 
 
 def _download_hub_shards(cfg: DataConfig) -> tuple[Split, Split]:

@@ -256,6 +256,39 @@ def test_cli_a_plain_file_as_data_path_names_it_and_the_formats(tmp_path, name):
         ".json or .txt file, or a directory of them")
 
 
+def fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def looped(path):
+    os.symlink(path.with_name("other"), path)
+    os.symlink(path, path.with_name("other"))
+    return path
+
+
+@pytest.mark.parametrize("make, problem", [
+    (fifo, "a FIFO, not a regular file"),
+    (looped, "a symbolic link that cannot be followed (Too many levels of symbolic links)"),
+])
+def test_cli_a_data_path_that_is_no_file_nor_folder_is_one_sentence(tmp_path, make, problem):
+    path = make(tmp_path / "data.txt")
+    assert last_line(cli(tmp_path, path)) == (
+        f"error: data.path='{path}' is not allowed: it is {problem}; point it at a .parquet, .jsonl, .json or "
+        ".txt file, or a directory of them")
+
+
+def test_cli_a_shard_whose_link_leads_nowhere_is_named_never_skipped(tmp_path):
+    # Skipped, the last training shard silently became the validation split.
+    folder = write_shards(tmp_path / "s", 5)
+    last = folder / "shard_00002.parquet"
+    last.unlink()
+    last.symlink_to(tmp_path / "gone.parquet")
+    assert last_line(cli(tmp_path, folder)) == (
+        f"error: data.path='{folder}' is not allowed: {last} is a symbolic link that cannot be followed "
+        "(No such file or directory); fix or remove it")
+
+
 def test_cli_an_unwritable_cache_dir_is_one_sentence(tmp_path):
     folder = write_text_shards(tmp_path / "s", ".txt")
     blocker = tmp_path / "a_file"
