@@ -367,6 +367,15 @@ def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, director
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _write_corpus(split, tokenizer, text_column, directory, tmp, progress)
+    except BaseException:  # a bad file, a full disk, Ctrl-C: no half-written cache is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_corpus(split: Split, tokenizer: Tokenizer, text_column: str, directory: Path, tmp: Path,
+                  progress: BuildProgress) -> None:
     offsets, total, docs, skipped = [0], 0, 0, {}
     with open(tmp / "tokens.bin", "wb") as out:
         for texts in iter_documents(split, text_column, skipped=skipped):
@@ -379,7 +388,6 @@ def _build_corpus(split: Split, tokenizer: Tokenizer, text_column: str, director
                 docs += 1
             progress.advance(len(texts), total - before)
     if docs == 0:
-        shutil.rmtree(tmp)
         raise DataError(f"no non-empty documents in {', '.join(map(str, split.files))}")
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"version": CACHE_VERSION, "tokens": total, "documents": docs,

@@ -247,6 +247,18 @@ def test_cli_invalid_utf8_is_one_sentence_naming_the_file(tmp_path):
         f"error: cannot read {folder / 'shard_00000.jsonl'}: it is not valid UTF-8")
 
 
+def test_cli_a_cache_build_that_fails_leaves_no_half_written_cache(tmp_path):
+    # The validation shard is read only when its cache is built, into a temporary folder that was left behind.
+    folder = write_text_shards(tmp_path / "s", ".jsonl")
+    with open(folder / "shard_00002.jsonl", "ab") as f:
+        f.write(b'{"text": "\xff"}\n')
+    assert last_line(cli(tmp_path, folder)).startswith(
+        f"error: cannot read {folder / 'shard_00002.jsonl'}: it is not valid UTF-8")
+    left = sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir())
+    assert [name for name in left if name.startswith("val-")] == [name for name in left if name.endswith(".lock")
+                                                                  and name.startswith("val-")], left
+
+
 @pytest.mark.parametrize("name", ["table.csv", "README"])
 def test_cli_a_plain_file_as_data_path_names_it_and_the_formats(tmp_path, name):
     path = tmp_path / name
