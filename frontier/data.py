@@ -26,6 +26,7 @@ import torch
 import xxhash
 from filelock import FileLock
 
+from frontier import lifecycle
 from frontier.config import DataConfig, project_path
 from frontier.tokenizer import Tokenizer, train_tokenizer
 
@@ -231,6 +232,7 @@ class BuildProgress:
         return self
 
     def advance(self, documents: int, amount: int) -> None:
+        lifecycle.raise_if_stopped()  # a Ctrl-C that Python swallowed stops the build within a chunk
         self.documents += documents
         self.amount += amount
         self.bar.update(self.task, description=f"{self.what}: {self.documents:,} documents, "

@@ -81,14 +81,14 @@ def _reset() -> None:
 
 
 def _on_signal(signum, frame) -> None:
-    global _first_signal_at
+    global _first_signal_at, _stop_reason
     name = signal.Signals(signum).name
     now = time.monotonic()
     if _ending:  # the records of the run's end are being written: let them finish
         print(f"{name}: the run is already ending; its records are being written", file=sys.stderr, flush=True)
         return
     if not _deferring:  # setting up or finishing: nothing to save at a step boundary
-        reason = _stop_reason or f"interrupted by {name}"
+        reason = _stop_reason = _stop_reason or f"interrupted by {name}"  # kept for raise_if_stopped
         print(f"{reason}: stopping now (no training step to finish)", file=sys.stderr, flush=True)
         raise KeyboardInterrupt(reason)
     if now - _first_signal_at < ABORT_WINDOW:
@@ -99,6 +99,15 @@ def _on_signal(signum, frame) -> None:
     request_stop(f"interrupted by {name}")
     print(f"{name}: stopping after this step (send it again within {ABORT_WINDOW:g} s to abort at once)",
           file=sys.stderr, flush=True)
+
+
+def raise_if_stopped() -> None:
+    """Raises again a stop that came outside the training loop. Python only prints a KeyboardInterrupt
+    raised inside a weakref callback or a __del__ and goes on, which a signal during set-up can land
+    in: set-up's long steps (each chunk of a cache build) and the loop's start call this."""
+    reason = _stop_reason
+    if reason is not None and _handling and not _deferring and not _ending:
+        raise KeyboardInterrupt(reason)
 
 
 def closing() -> None:
@@ -129,6 +138,7 @@ def signals_handled() -> Iterator[None]:
 def deferred_signals() -> Iterator[None]:
     """Inside: a signal only sets the stop flag (the training loop)."""
     global _deferring
+    raise_if_stopped()  # a stop during set-up whose KeyboardInterrupt was swallowed trains no step
     _deferring = True
     try:
         yield

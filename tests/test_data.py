@@ -10,7 +10,7 @@ import pytest
 from frontier import data as data_module
 from frontier.config import DataConfig
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, ROOT, run_cli
 
 
 def words_of(shard, docs, words=40):
@@ -257,6 +257,56 @@ def test_cli_a_cache_build_that_fails_leaves_no_half_written_cache(tmp_path):
     left = sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir())
     assert [name for name in left if name.startswith("val-")] == [name for name in left if name.endswith(".lock")
                                                                   and name.startswith("val-")], left
+
+
+# A test-only sitecustomize.py: Ctrl-C during the 2nd chunk of a token-cache build, landing (as a real one
+# can, about one time in three there) inside a __del__, where Python prints the KeyboardInterrupt and goes on.
+CTRL_C_IN_A_DEL = """
+import importlib.abc, importlib.util, os, signal, sys
+
+class Swallowing:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here
+            pass
+
+def hook(module):
+    encode_batch, calls = module.Tokenizer.encode_batch, []
+    def hooked(self, texts):
+        calls.append(1)
+        if len(calls) == 2:
+            Swallowing()
+        return encode_batch(self, texts)
+    module.Tokenizer.encode_batch = hooked
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "frontier.tokenizer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: (run(module), hook(module))
+        return spec
+
+sys.meta_path.insert(0, AfterImport())
+"""
+
+
+def test_cli_ctrl_c_that_python_swallows_in_a_cache_build_still_stops_the_run(tmp_path):
+    # It went on: the run trained its whole budget, FINISHED, exit code 0.
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CTRL_C_IN_A_DEL)
+    folder = write_text_shards(tmp_path / "s", ".txt", shards=4)
+    done = run_cli([*FAST, f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
+                    "precision=fp32", "budget.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], timeout=300,
+                   env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])})
+    assert "Exception ignored in" in done.stderr, done.stderr  # the interrupt was swallowed where it landed
+    assert done.returncode == 130, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["error"]) == ("KILLED", "interrupted by SIGINT")
+    assert not any(p.name.startswith("train-") and not p.name.endswith(".lock")  # neither a cache nor a .tmp
+                   for p in (tmp_path / "cache" / "tokens").iterdir())
 
 
 @pytest.mark.parametrize("name", ["table.csv", "README"])
