@@ -319,6 +319,8 @@ class TokenCorpus:
 
     def __init__(self, directory: Path, tokenizer_fingerprint: str):
         meta = json.loads((directory / "meta.json").read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):  # valid JSON, but damaged
+            raise DataError(f"token cache {directory} is damaged: its meta.json is not a cache's record")
         if meta.get("version") != CACHE_VERSION or meta.get("tokenizer") != tokenizer_fingerprint:
             raise DataError(f"token cache {directory} was built by another version or tokenizer")
         for name in _CHECKED_FILES:

@@ -218,6 +218,18 @@ def test_a_damaged_token_cache_of_the_same_size_is_rebuilt_with_a_warning(tmp_pa
         assert np.array_equal(np.array(rebuilt.tokens), expected)
 
 
+@pytest.mark.parametrize("damaged", ["null", "[]", '{"version": 2, "checksums": []}'])
+def test_a_meta_json_that_is_json_but_no_cache_record_is_rebuilt_with_a_warning(tmp_path, capsys, damaged):
+    # It was read: an AttributeError or TypeError traceback instead of a rebuild.
+    cfg, train, _, tokenizer, corpus = corpus_of(tmp_path, write_shards(tmp_path / "s", 50))
+    expected = np.array(corpus.tokens)
+    (corpus.directory / "meta.json").write_text(damaged)
+    rebuilt = load_corpus(train, tokenizer, cfg, "train")
+    assert f"token cache {corpus.directory} is damaged: its meta.json is not a cache's record; rebuilding it" \
+        in capsys.readouterr().err
+    assert np.array_equal(np.array(rebuilt.tokens), expected)
+
+
 def test_an_unwritable_cache_dir_is_one_sentence_naming_it(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
