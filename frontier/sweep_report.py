@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
+from frontier import paths  # noqa: E402
 from frontier.cli import check_writable_path, command  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.study import all_drivers_ended, is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
@@ -264,16 +265,22 @@ def main(argv: list[str]) -> int:
         print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)
         return 2
     name = args["study"]
+    if not name:
+        print("error: study= is not allowed: give the sweep's study name (its sweep.study)", file=sys.stderr)
+        return 2
     storage = study_storage(args.get("storage"), name)
-    if not is_rdb(storage) and not Path(storage).expanduser().exists():
-        print(f"error: storage={storage!r} does not exist: pass the sweep's sweep.storage", file=sys.stderr)
+    database = storage if not is_rdb(storage) else paths.sqlite_path(storage)  # files a report must not create
+    if database is not None and not Path(database).expanduser().exists():
+        print(f"error: storage={storage!r} is not allowed: it does not exist; pass the sweep's sweep.storage",
+              file=sys.stderr)
         return 2
     try:
         opened = open_storage(storage)
         study = optuna.load_study(study_name=name, storage=opened)
     except KeyError:
         names = ", ".join(optuna.get_all_study_names(opened)) or "none"
-        print(f"error: study={name!r} is not in {storage} (studies there: {names})", file=sys.stderr)
+        print(f"error: study={name!r} is not allowed: it is not in {storage} (studies there: {names})",
+              file=sys.stderr)
         return 2
     except Exception as err:  # an unreachable or unreadable storage
         print(f"error: storage={safe_storage(storage)!r} is not reachable ({error_line(err)})", file=sys.stderr)

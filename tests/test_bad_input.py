@@ -265,6 +265,9 @@ def test_showing_commands_still_work():
     ("frontier.leaderboard", ["foo=1"], "'foo'"),
     ("frontier.sweep_report", ["study=s", "foo=1"], "foo=1"),
     ("frontier.sweep_report", ["study=s", "storage=://x"], "storage='://x' is not reachable"),
+    ("frontier.sweep_report", ["study="], "study= is not allowed: give the sweep's study name"),
+    ("frontier.sweep_report", ["study=s", "storage=sqlite:////no/such/dir/optuna.db"],
+     "storage='sqlite:////no/such/dir/optuna.db' is not allowed: it does not exist"),
     ("frontier.model_card", ["model.foo=1"], "'foo'"),
     ("frontier.model_card", ["--no-such-flag"], "--no-such-flag"),
     ("frontier.model_card", ["model=tiny", "--rows=-1"], "--rows=-1 is not allowed: it must be a positive integer"),
@@ -278,6 +281,16 @@ def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, 
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], result.stderr
+
+
+def test_a_sweep_report_of_a_sqlite_study_that_is_not_there_creates_no_database(tmp_path):
+    database = tmp_path / "optuna.db"
+    result = subprocess.run([sys.executable, "-m", "frontier.sweep_report", "study=s", f"storage=sqlite:///{database}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: storage='sqlite:///{database}' is not allowed: it does not exist; pass the " \
+                            "sweep's sweep.storage\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_report_out_that_cannot_be_created_is_one_sentence(tmp_path):
