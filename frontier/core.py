@@ -9,6 +9,7 @@ Accuracy is centered on the task's random baseline and CORE is the mean over tas
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import random
@@ -20,6 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 import yaml
+
+from frontier.config import ConfigError
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 REQUIRED_KEYS = {
@@ -68,20 +71,24 @@ def _where(config_path: Path, root: yaml.Node | None, task_index: int, key: str)
     return str(config_path)
 
 
-def _read_baselines(path: Path) -> dict[str, float]:
+def _read_baselines(path: Path) -> dict[str, tuple[float, int]]:
+    """Each task's Random baseline (percent) and the line that gives it."""
     if not path.is_file():
         raise CoreBundleError(f"{path} not found; a CORE bundle needs it for the random baselines.")
     baselines = {}
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if not {"Eval Task", "Random baseline"} <= set(reader.fieldnames or []):
-            raise CoreBundleError(f"{path}:1 lacks the columns 'Eval Task' and 'Random baseline'.")
-        for lineno, row in enumerate(reader, start=2):
-            try:
-                baselines[row["Eval Task"]] = float(row["Random baseline"])
-            except (TypeError, ValueError):
-                raise CoreBundleError(f"{path}:{lineno} has a Random baseline that is not a number: "
-                                      f"{row['Random baseline']!r}.") from None
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if not {"Eval Task", "Random baseline"} <= set(reader.fieldnames or []):
+                raise CoreBundleError(f"{path}:1 lacks the columns 'Eval Task' and 'Random baseline'.")
+            for lineno, row in enumerate(reader, start=2):
+                try:
+                    baselines[row["Eval Task"]] = (float(row["Random baseline"]), lineno)
+                except (TypeError, ValueError):
+                    raise CoreBundleError(f"{path}:{lineno} has a Random baseline that is not a number: "
+                                          f"{row['Random baseline']!r}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CoreBundleError(f"{path} cannot be read ({e}).") from None
     return baselines
 
 
@@ -104,16 +111,23 @@ def _check_row(row: object, task_type: str, path: Path, lineno: int) -> None:
 
 def _read_rows(path: Path, task_type: str) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CoreBundleError(f"{path}:{lineno} is not valid JSON ({e.msg}).") from None
-            _check_row(row, task_type, path, lineno)
-            rows.append(row)
+    try:
+        with open(path, "rb") as f:  # decoded line by line, so that bytes that are not UTF-8 get their line
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise CoreBundleError(f"{path}:{lineno} is not valid UTF-8 ({e.reason}).") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CoreBundleError(f"{path}:{lineno} is not valid JSON ({e.msg}).") from None
+                _check_row(row, task_type, path, lineno)
+                rows.append(row)
+    except OSError as e:
+        raise CoreBundleError(f"{path} cannot be read ({e.strerror or e}).") from None
     if not rows:
         raise CoreBundleError(f"{path} has no rows.")
     return rows
@@ -125,7 +139,10 @@ def load_bundle(path: str | Path) -> list[Task]:
     config_path = bundle / "core.yaml"
     if not config_path.is_file():
         raise CoreBundleError(f"{config_path} not found; {bundle} is not a CORE eval bundle.")
-    text = config_path.read_text(encoding="utf-8")
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CoreBundleError(f"{config_path} cannot be read ({e}).") from None
     try:
         config = yaml.safe_load(text)
         root = yaml.compose(text)
@@ -145,24 +162,56 @@ def load_bundle(path: str | Path) -> list[Task]:
         if missing:
             raise CoreBundleError(f"{where} is an icl_tasks entry without {', '.join(missing)}.")
         label, task_type = str(entry["label"]), entry["icl_task_type"]
+        if any(task.label == label for task in tasks):  # metrics are named by label: one would hide the other
+            raise CoreBundleError(f"{where} repeats the task label {label!r}; each task needs its own.")
         if task_type not in TASK_TYPES:
             where = _where(config_path, root, i, "icl_task_type")
             raise CoreBundleError(f"{where} gives task {label!r} the unknown icl_task_type "
                                   f"{task_type!r} (expected one of {', '.join(TASK_TYPES)}).")
         shots = entry["num_fewshot"]  # a list in the bundle; CORE uses the first
-        num_fewshot = int(shots[0] if isinstance(shots, list) else shots)
+        num_fewshot = shots[0] if isinstance(shots, list) and shots else shots
+        if not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0:
+            where = _where(config_path, root, i, "num_fewshot")
+            raise CoreBundleError(f"{where} gives task {label!r} num_fewshot {shots!r}; it must be a whole number "
+                                  "of examples, 0 or more (or a list whose first item is one).")
+        uri, delimiter = entry["dataset_uri"], entry.get("continuation_delimiter", " ")
+        for key, value in (("dataset_uri", uri), ("continuation_delimiter", delimiter)):
+            if not isinstance(value, str):
+                raise CoreBundleError(f"{_where(config_path, root, i, key)} gives task {label!r} {key} {value!r}; "
+                                      "it must be a string.")
         if label not in baselines:
             raise CoreBundleError(f"{bundle / 'eval_meta_data.csv'} has no Random baseline for task {label!r}.")
-        data_path = bundle / "eval_data" / entry["dataset_uri"]
+        baseline, line = baselines[label]
+        if not 0 <= baseline < 100:  # centered accuracy divides by 1 - baseline/100; nan would make CORE nan
+            raise CoreBundleError(f"{bundle / 'eval_meta_data.csv'}:{line} gives task {label!r} the Random baseline "
+                                  f"{baseline:g}; it must be a percentage from 0 up to, not including, 100.")
+        data_path = bundle / "eval_data" / uri
+        if data_path.exists() and not data_path.is_file():  # not a missing task: a mistake in the bundle
+            raise CoreBundleError(f"{_where(config_path, root, i, 'dataset_uri')} gives task {label!r} the data "
+                                  f"file {data_path}, which is not a file.")
         rows = None
         if data_path.is_file():
             key = (data_path, task_type)
             if key not in rows_by_file:
                 rows_by_file[key] = _read_rows(data_path, task_type)
             rows = rows_by_file[key]
-        tasks.append(Task(label, task_type, num_fewshot, entry.get("continuation_delimiter", " "),
-                          baselines[label], data_path, rows))
+        tasks.append(Task(label, task_type, num_fewshot, delimiter, baseline, data_path, rows))
+    if not tasks:  # CORE over no task is no number
+        raise CoreBundleError(f"{config_path} lists no task in icl_tasks.")
     return tasks
+
+
+@functools.lru_cache(maxsize=8)  # each point of a --multirun grid checks the same bundle
+def check_bundle(path: str) -> None:
+    """`eval.core_bundle` as a command line's mistake: a bundle that cannot be loaded is one sentence naming the
+    key, found before a run trains (after its budget it would fail a trained run) or a checkpoint is loaded."""
+    if not (Path(path) / "core.yaml").is_file():
+        raise ConfigError(f"eval.core_bundle={path!r} has no core.yaml; point it at a CORE eval bundle (the offline "
+                          "copy is ../shared/data/core)")
+    try:
+        load_bundle(path)
+    except CoreBundleError as err:
+        raise ConfigError(f"eval.core_bundle={path!r} is not allowed: {err}") from None
 
 
 # -----------------------------------------------------------------------------

@@ -67,9 +67,11 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
 def main(argv: list[str]) -> dict:
     from frontier.checkpoint import load_for_eval, load_tokenizer
     from frontier.device import resolve_device
-    from frontier.core import core_metrics
+    from frontier.core import check_bundle, core_metrics
 
     command = parse(argv)
+    if command.core:  # a damaged bundle is found before the checkpoint is loaded
+        check_bundle(str(command.eval.core_bundle))
     device = resolve_device(command.device, command.precision)
     path, run_id = find_checkpoint(command)
     model = load_for_eval(path, device.torch_device)

@@ -22,7 +22,7 @@ from frontier import lifecycle
 from frontier.budget import BudgetClock
 from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, write_torch
 from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
-from frontier.core import core_metrics
+from frontier.core import check_bundle, core_metrics
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
 from frontier.device import Device, device_kind, resolve_device
 from frontier.distributed import World, init_world
@@ -78,9 +78,8 @@ def check_runnable(config: Config) -> None:
     """What a configuration needs of this machine, touching nothing: its device, its kernels (one this
     machine cannot run stops here) and the CORE bundle. The command line checks it before Hydra runs."""
     kind = device_kind(config.device)
-    if config.eval.core and not (Path(config.eval.core_bundle) / "core.yaml").is_file():
-        raise ConfigError(f"eval.core_bundle={config.eval.core_bundle!r} has no core.yaml; point it at a CORE "
-                          "eval bundle (the offline copy is ../shared/data/core)")
+    if config.eval.core:
+        check_bundle(str(config.eval.core_bundle))
     Ops(config.kernel, kind)
 
 

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,87 @@ def test_a_bundle_without_core_yaml_fails_before_training(tmp_path):
     result = run_cli([*FAST, "eval.core=true", f"eval.core_bundle={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2
     assert f"eval.core_bundle='{tmp_path}' has no core.yaml" in result.stderr
+    assert not (tmp_path / "run").exists()  # found before Hydra made the run directory
+
+
+def small_bundle(root: Path, task: dict | None = None, baseline: str = "50", rows: bytes | None = None,
+                 labels: tuple[str, ...] = ("mc",)) -> Path:
+    """A one-task CORE bundle (or several tasks on the same file), with one thing damaged at a time."""
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for label in labels:
+        entry = {"label": label, "dataset_uri": "mc.jsonl", "num_fewshot": "[1]",
+                 "icl_task_type": "multiple_choice", **(task or {})}
+        entries.append("-\n" + "".join(f"  {k}: {v}\n" for k, v in entry.items()))
+    (root / "core.yaml").write_text("icl_tasks:\n" + "".join(entries))
+    (root / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n" +
+                                             "".join(f"{label},{baseline}\n" for label in labels))
+    good = b'{"query": "q", "choices": ["a", "b"], "gold": 0}\n'
+    (root / "eval_data").mkdir(exist_ok=True)
+    (root / "eval_data" / "mc.jsonl").write_bytes(rows if rows is not None else good * 3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A real final.pt of a one-layer model, with its tokenizer beside it: made in a second, no data read."""
+    from dataclasses import asdict
+
+    from frontier.checkpoint import save_final
+    from frontier.config import ModelConfig
+    from frontier.model import GPT
+    from frontier.tokenizer import train_tokenizer
+
+    run_dir = tmp_path_factory.mktemp("tiny")
+    tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, 300)
+    tokenizer.save(run_dir / "tokenizer.json")
+    config = ModelConfig(depth=1, d_model=32, n_head=2, n_kv_head=2, seq_len=64)
+    save_final(run_dir / "final.pt", GPT(config, tokenizer.vocab_size), {"model": asdict(config)}, tokenizer)
+    return run_dir / "final.pt"
+
+
+DAMAGED_BUNDLES = [  # (bundle arguments, what the sentence names)
+    (dict(task={"num_fewshot": "[]"}), "core.yaml:5 gives task 'mc' num_fewshot []; it must be a whole number"),
+    (dict(task={"num_fewshot": "[-2]"}), "core.yaml:5 gives task 'mc' num_fewshot [-2]"),
+    (dict(task={"dataset_uri": "5"}), "core.yaml:4 gives task 'mc' dataset_uri 5; it must be a string"),
+    (dict(baseline="100"), "eval_meta_data.csv:2 gives task 'mc' the Random baseline 100; it must be a percentage"),
+    (dict(baseline="nan"), "eval_meta_data.csv:2 gives task 'mc' the Random baseline nan"),
+    (dict(labels=("mc", "mc")), "core.yaml:8 repeats the task label 'mc'"),
+    (dict(rows=b'{"query": "q", "choices": ["a", "b"], "gold": 0}\n{"query": "\xff"}\n'),
+     "mc.jsonl:2 is not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("damage, names", DAMAGED_BUNDLES, ids=[n.split(" ", 1)[1][:40] for _, n in DAMAGED_BUNDLES])
+def test_eval_refuses_a_damaged_core_bundle_in_one_sentence(tiny_checkpoint, tmp_path, damage, names):
+    # each of these was a traceback after scoring (a baseline of 100), a CORE of nan, or a task silently left out
+    bundle = small_bundle(tmp_path / "bundle", **damage)
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tiny_checkpoint}", "device=cpu",
+                             f"eval.core_bundle={bundle}", "tracking.enabled=false"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert lines[-1].startswith(f"error: eval.core_bundle='{bundle}' is not allowed: {bundle}"), result.stderr
+    assert names in lines[-1] and "Traceback" not in result.stderr, result.stderr
+    assert "core:" not in result.stdout  # found before any figure is computed
+
+
+def test_the_small_bundle_itself_scores(tiny_checkpoint, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tiny_checkpoint}", "device=cpu",
+                             f"eval.core_bundle={small_bundle(tmp_path)}", "tracking.enabled=false"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "core_tasks: 1" in result.stdout, result.stderr
+
+
+def test_a_damaged_bundle_fails_before_training(tmp_path):
+    # found after the whole budget, it failed the trained run and its summary lost the final val_bpb
+    bundle = small_bundle(tmp_path / "bundle", rows=b'{"query": "q", "choices": ["a"], "gold": 0}\n{oops\n')
+    result = run_cli([*FAST, "budget.max_steps=2", "eval.core=true", f"eval.core_bundle={bundle}",
+                      f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: eval.core_bundle='{bundle}' is not allowed: {bundle / 'eval_data' / 'mc.jsonl'}:2 is not valid "
+        "JSON (Expecting property name enclosed in double quotes).")
     assert not (tmp_path / "run").exists()  # found before Hydra made the run directory
 
 
