@@ -91,8 +91,20 @@ def load_for_eval(checkpoint_path: str | os.PathLike, device: str | torch.device
 
 
 def load_tokenizer(checkpoint_path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer saved beside the checkpoint, and only the one it was trained with: another one (a
+    tokenizer.json copied from another run) would give every figure silently wrong."""
     payload = _read(checkpoint_path)
     path = Path(checkpoint_path).parent / payload["tokenizer"]
     if not path.is_file():
         raise FileNotFoundError(f"the tokenizer of checkpoint {checkpoint_path} is missing: expected {path}")
-    return Tokenizer.load(path)
+    try:
+        tokenizer = Tokenizer.load(path)
+    except Exception as err:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"checkpoint={checkpoint_path} is not allowed: its tokenizer {path} is damaged or not "
+                              f"a tokenizer ({error_line(err)})") from None
+    expected = payload.get("tokenizer_fingerprint")
+    if expected is not None and tokenizer.fingerprint() != expected:
+        raise CheckpointError(f"checkpoint={checkpoint_path} is not allowed: its tokenizer {path} is not the one the "
+                              f"model was trained with (fingerprint {tokenizer.fingerprint()}, the checkpoint's "
+                              f"{expected})")
+    return tokenizer

@@ -55,10 +55,13 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
         path = Path(command.checkpoint)
         summary = path.parent / "summary.json"
         try:
-            run_id = json.loads(summary.read_text()).get("mlflow_run_id") if summary.is_file() else None
-        except ValueError as err:
-            raise ConfigError(f"checkpoint={path} is not allowed: its {summary} is not JSON ({err})") from None
-        return path, run_id
+            record = json.loads(summary.read_text()) if summary.is_file() else {}
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"checkpoint={path} is not allowed: its {summary} cannot be read as JSON ({err})") from None
+        if not isinstance(record, dict):  # it names the MLflow run the figures go to: no guessing
+            raise ConfigError(f"checkpoint={path} is not allowed: its {summary} is not a run's summary (a JSON "
+                              f"{type(record).__name__}, not an object)")
+        return path, record.get("mlflow_run_id")
     from frontier.tracking import checkpoint_of_run
 
     return checkpoint_of_run(command.tracking, command.run_id), command.run_id

@@ -148,6 +148,41 @@ def test_a_damaged_bundle_fails_before_training(tmp_path):
     assert not (tmp_path / "run").exists()  # found before Hydra made the run directory
 
 
+def another_runs_tokenizer(folder: Path) -> None:
+    from frontier.tokenizer import train_tokenizer
+
+    train_tokenizer(["a different corpus, a different vocabulary"] * 20, 280).save(folder / "tokenizer.json")
+
+
+SIDE_FILE_DAMAGE = [  # (file beside final.pt, how it is damaged, what the sentence says)
+    ("tokenizer.json", lambda folder: (folder / "tokenizer.json").write_text('{"model": {'),
+     "its tokenizer {folder}/tokenizer.json is damaged or not a tokenizer"),
+    ("tokenizer.json", another_runs_tokenizer,
+     "its tokenizer {folder}/tokenizer.json is not the one the model was trained with"),
+    ("summary.json", lambda folder: (folder / "summary.json").write_text("[1, 2]"),
+     "its {folder}/summary.json is not a run's summary (a JSON list, not an object)"),
+]
+
+
+@pytest.mark.parametrize("file, damage, says", SIDE_FILE_DAMAGE, ids=["damaged tokenizer", "foreign tokenizer",
+                                                                      "summary not an object"])
+def test_eval_refuses_a_damaged_or_foreign_file_beside_the_checkpoint(tiny_checkpoint, tmp_path, file, damage, says):
+    # a damaged one was a traceback; another run's tokenizer scored CORE silently wrong, and logged it
+    import shutil
+
+    for name in ("final.pt", "tokenizer.json"):
+        shutil.copy(tiny_checkpoint.parent / name, tmp_path / name)
+    damage(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'final.pt'}",
+                             "device=cpu", f"eval.core_bundle={small_bundle(tmp_path / 'bundle')}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert lines[-1].startswith(f"error: checkpoint={tmp_path / 'final.pt'} is not allowed: "
+                                f"{says.format(folder=tmp_path)}"), result.stderr
+    assert "core:" not in result.stdout
+
+
 def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(trained, tmp_path):
     import shutil
 
