@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from mlflow import MlflowClient
 
 from frontier.cli import command
-from frontier.config import ConfigError, TrackingConfig, error_line
+from frontier.config import ConfigError, TrackingConfig, error_line, key_hint
 from frontier.paths import sqlite_path
 from frontier.tracking import RUN_KIND_TAG, probe_server, tracking_uri
 
@@ -108,10 +108,11 @@ def table(rows: list[dict], phase: int) -> str:
 
 def parse_args(argv: list[str]) -> SimpleNamespace:
     args = SimpleNamespace(experiment=TrackingConfig.experiment, top=20, phase=1, budget=None, uri=None)
-    for arg in argv:
+    keys = ["experiment", "top", "phase", "budget", "tracking.uri", "tracking.experiment"]
+    for arg in argv:  # each mistake is the README's `KEY=VALUE is not allowed: ...` sentence
         key, sep, value = arg.partition("=")
         if not sep:
-            raise ValueError(f"{arg!r}: arguments are key=value")
+            raise ValueError(f"{arg!r} is not allowed: arguments are key=value, such as experiment=NAME or top=20")
         if key in ("experiment", "tracking.experiment"):
             args.experiment = value
         elif key == "tracking.uri":
@@ -120,10 +121,11 @@ def parse_args(argv: list[str]) -> SimpleNamespace:
             args.budget = value or None
         elif key in ("top", "phase"):
             if not value.isdigit() or (key == "phase" and value not in ("1", "2")) or int(value) < 1:
-                raise ValueError(f"{arg}: {key} must be {'1 or 2' if key == 'phase' else 'a positive integer'}")
+                raise ValueError(f"{arg} is not allowed: {key} must be "
+                                 f"{'1 or 2' if key == 'phase' else 'a positive integer'}")
             setattr(args, key, int(value))
         else:
-            raise ValueError(f"unknown key {key!r}")
+            raise ValueError(f"{arg} is not allowed: {key_hint('frontier.leaderboard', key, keys)}")
     return args
 
 

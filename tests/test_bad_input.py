@@ -263,6 +263,11 @@ def test_showing_commands_still_work():
     ("frontier.model_card", ["model=nope"], "model=nope is not allowed: model has no such option; choose one of base"),
     ("frontier.model_card", ["model.depth=abc"], "model.depth=abc is not allowed: must be an integer"),
     ("frontier.leaderboard", ["foo=1"], "'foo'"),
+    ("frontier.leaderboard", ["topp=5"], "topp=5 is not allowed: frontier.leaderboard has no key 'topp'; did you "
+                                         "mean top?"),
+    ("frontier.leaderboard", ["top=-1"], "top=-1 is not allowed: top must be a positive integer"),
+    ("frontier.leaderboard", ["phase=3"], "phase=3 is not allowed: phase must be 1 or 2"),
+    ("frontier.leaderboard", ["depth"], "'depth' is not allowed: arguments are key=value"),
     ("frontier.sweep_report", ["study=s", "foo=1"], "foo=1"),
     ("frontier.sweep_report", ["study=s", "storage=://x"], "storage='://x' is not reachable"),
     ("frontier.sweep_report", ["study="], "study= is not allowed: give the sweep's study name"),
