@@ -567,10 +567,17 @@ def checkpoint_of_run(tracking_cfg, run_id: str) -> Path:
 
 
 def log_metrics_to_run(uri: str, run_id: str, metrics: dict) -> None:
-    """Adds metrics to an existing run (finished or not) in the store at `uri`, e.g. CORE computed later."""
+    """Adds metrics to an existing run (finished or not) in the store at `uri`, e.g. CORE computed later:
+    each at the last step its key already has there, so that it becomes the run's latest value (MLflow
+    shows the point of the highest step: at step 0, a CORE of the training's last step would hide it)."""
     client = MlflowClient(uri)
     now = _now_ms()
-    _log_metrics(client, run_id, [Metric(k, float(v), now, 0) for k, v in metrics.items()
+    logged = _retry(client.get_run, run_id).data.metrics
+
+    def last_step(key: str) -> int:
+        return max((m.step for m in _retry(client.get_metric_history, run_id, key)), default=0) if key in logged else 0
+
+    _log_metrics(client, run_id, [Metric(k, float(v), now, last_step(k)) for k, v in metrics.items()
                                   if _is_number(v) and math.isfinite(v)])
 
 

@@ -199,9 +199,11 @@ def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    raw = compose_config([*FAST, "budget.max_steps=2", "tracking.enabled=true", f"tracking.uri={uri}"])
+    raw = compose_config([*FAST, "budget.max_steps=2", "tracking.enabled=true", f"tracking.uri={uri}",
+                          "eval.core=true", f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=2"])
     train(raw, tmp_path / "run", RunDisplay(enabled=False))
-    run_id = json.loads((tmp_path / "run" / "summary.json").read_text())["mlflow_run_id"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run_id = summary["mlflow_run_id"]
     result = subprocess.run(
         [sys.executable, "-m", "frontier.eval", f"run_id={run_id}", f"tracking.uri={uri}", "device=cpu",
          f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=1"],
@@ -210,6 +212,12 @@ def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
     assert f"logged to MLflow run {run_id}" in result.stdout
     metrics = MlflowClient(uri).get_run(run_id).data.metrics
     assert metrics["core_tasks"] == 18 and "core" in metrics and "core/arc_easy" in metrics
+    # The later figure is the run's value, not hidden behind the one the training logged at its last step
+    printed = {line.split(": ")[0]: float(line.split(": ")[1]) for line in result.stdout.splitlines()
+               if line.startswith(("core: ", "core/arc_easy: "))}
+    assert printed["core"] != pytest.approx(summary["core"], abs=1e-4), "pick settings whose CORE differs"
+    assert metrics["core"] == pytest.approx(printed["core"], abs=1e-4)  # printed to 4 places
+    assert metrics["core/arc_easy"] == pytest.approx(printed["core/arc_easy"], abs=1e-4)
     metrics_before = len(MlflowClient(uri).get_metric_history(run_id, "core"))
 
     def evaluate(*args):
