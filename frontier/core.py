@@ -186,6 +186,9 @@ def load_bundle(path: str | Path) -> list[Task]:
             raise CoreBundleError(f"{bundle / 'eval_meta_data.csv'}:{line} gives task {label!r} the Random baseline "
                                   f"{baseline:g}; it must be a percentage from 0 up to, not including, 100.")
         data_path = bundle / "eval_data" / uri
+        if not data_path.resolve().is_relative_to((bundle / "eval_data").resolve()):  # an absolute or ../ path
+            raise CoreBundleError(f"{_where(config_path, root, i, 'dataset_uri')} gives task {label!r} the data "
+                                  f"file {uri!r}, outside the bundle's eval_data/; name a file inside it.")
         if data_path.exists() and not data_path.is_file():  # not a missing task: a mistake in the bundle
             raise CoreBundleError(f"{_where(config_path, root, i, 'dataset_uri')} gives task {label!r} the data "
                                   f"file {data_path}, which is not a file.")

@@ -73,10 +73,12 @@ def main(argv: list[str]) -> dict:
     from frontier.core import check_bundle, core_metrics
 
     command = parse(argv)
+    given = {arg.partition("=")[0] for arg in argv}
     if command.core:  # a damaged bundle is found before the checkpoint is loaded
         check_bundle(str(command.eval.core_bundle))
     device = resolve_device(command.device, command.precision)
     path, run_id = find_checkpoint(command)
+    as_the_run(command, path, given)
     model = load_for_eval(path, device.torch_device)
     tokenizer = load_tokenizer(path)
     metrics: dict = {}
@@ -89,6 +91,20 @@ def main(argv: list[str]) -> dict:
     if run_id is not None and command.tracking.enabled:
         log_to_run(command, path, run_id, metrics)
     return metrics
+
+
+RUN_SETTINGS = ("final_tokens", "core_max_per_task")  # what the run's own figures were scored over
+
+
+def as_the_run(command: EvalCommand, path: Path, given: set[str]) -> None:
+    """eval.final_tokens and eval.core_max_per_task not given are the run's own: its val_bpb and CORE
+    are scored again over the same tokens and items, not over this command's defaults."""
+    from frontier.checkpoint import read_checkpoint
+
+    saved = read_checkpoint(path, "checkpoint=")["config"].get("eval") or {}
+    for key in RUN_SETTINGS:
+        if f"eval.{key}" not in given and key in saved:
+            setattr(command.eval, key, saved[key])
 
 
 class NotLogged(Exception):

@@ -34,17 +34,17 @@ def test_training_with_core_records_it_over_the_tasks_present(trained):
 
 @pytest.mark.slow
 def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
+    """Without eval.final_tokens and eval.core_max_per_task it scores over the run's own settings."""
     result = subprocess.run(
         [sys.executable, "-m", "frontier.eval", f"checkpoint={trained / 'final.pt'}", "device=cpu",
-         f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=2", "val_bpb=true", "eval.final_tokens=16384",
-         "tracking.enabled=false"],
+         f"eval.core_bundle={BUNDLE}", "val_bpb=true", "tracking.enabled=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "over 18 of 22 tasks (missing: hellaswag_zeroshot, hellaswag, squad, coqa)" in result.stderr
     assert "items/s" in result.stderr
     summary = json.loads((trained / "summary.json").read_text())
     printed = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
-    assert printed["core_tasks"] == "18"
+    assert printed["core_tasks"] == "18" and printed["val_tokens"] == str(summary["val_tokens"])
     assert abs(float(printed["val_bpb"]) - summary["val_bpb"]) < 1e-3
     assert abs(float(printed["core"]) - summary["core"]) < 1e-3  # same items, same model
 
@@ -107,6 +107,8 @@ DAMAGED_BUNDLES = [  # (bundle arguments, what the sentence names)
     (dict(task={"num_fewshot": "[]"}), "core.yaml:5 gives task 'mc' num_fewshot []; it must be a whole number"),
     (dict(task={"num_fewshot": "[-2]"}), "core.yaml:5 gives task 'mc' num_fewshot [-2]"),
     (dict(task={"dataset_uri": "5"}), "core.yaml:4 gives task 'mc' dataset_uri 5; it must be a string"),
+    (dict(task={"dataset_uri": "/etc/hostname"}), "core.yaml:4 gives task 'mc' the data file '/etc/hostname', outside"),
+    (dict(task={"dataset_uri": "../core.yaml"}), "core.yaml:4 gives task 'mc' the data file '../core.yaml', outside"),
     (dict(baseline="100"), "eval_meta_data.csv:2 gives task 'mc' the Random baseline 100; it must be a percentage"),
     (dict(baseline="nan"), "eval_meta_data.csv:2 gives task 'mc' the Random baseline nan"),
     (dict(labels=("mc", "mc")), "core.yaml:8 repeats the task label 'mc'"),
