@@ -223,7 +223,8 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
 
 
 _chunked = make_head_loss(torch_row_loss, torch_row_grad, torch_row_loss_grad)
-_chunked_eager = torch.compiler.disable(_chunked)
+# torch.compiler.disable, made on the first call: importing torch._dynamo up front costs every run a second
+_chunked_eager = torch._disable_dynamo(_chunked)
 
 
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
