@@ -68,7 +68,7 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
 
 
 def main(argv: list[str]) -> dict:
-    from frontier.checkpoint import load_for_eval, load_tokenizer
+    from frontier.checkpoint import load_for_eval, load_tokenizer, read_checkpoint
     from frontier.device import resolve_device
     from frontier.core import check_bundle, core_metrics
 
@@ -78,14 +78,15 @@ def main(argv: list[str]) -> dict:
         check_bundle(str(command.eval.core_bundle))
     device = resolve_device(command.device, command.precision)
     path, run_id = find_checkpoint(command)
-    as_the_run(command, path, given)
+    saved = read_checkpoint(path, "checkpoint=")["config"]  # the run's config, read once
+    as_the_run(command, saved, given)
     model = load_for_eval(path, device.torch_device)
     tokenizer = load_tokenizer(path)
     metrics: dict = {}
     if command.core:
         metrics.update(core_metrics(model, tokenizer, command.eval, device, model.config.seq_len))
     if command.val_bpb:
-        metrics.update(validation_bpb(path, model, tokenizer, command, device))
+        metrics.update(validation_bpb(saved, model, tokenizer, command, device))
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     if run_id is not None and command.tracking.enabled:
@@ -96,15 +97,13 @@ def main(argv: list[str]) -> dict:
 RUN_SETTINGS = ("final_tokens", "core_max_per_task")  # what the run's own figures were scored over
 
 
-def as_the_run(command: EvalCommand, path: Path, given: set[str]) -> None:
-    """eval.final_tokens and eval.core_max_per_task not given are the run's own: its val_bpb and CORE
-    are scored again over the same tokens and items, not over this command's defaults."""
-    from frontier.checkpoint import read_checkpoint
-
-    saved = read_checkpoint(path, "checkpoint=")["config"].get("eval") or {}
+def as_the_run(command: EvalCommand, saved: dict, given: set[str]) -> None:
+    """eval.final_tokens and eval.core_max_per_task not given are the run's own (`saved`: its config): its
+    val_bpb and CORE are scored again over the same tokens and items, not over this command's defaults."""
+    run_eval = saved.get("eval") or {}
     for key in RUN_SETTINGS:
-        if f"eval.{key}" not in given and key in saved:
-            setattr(command.eval, key, saved[key])
+        if f"eval.{key}" not in given and key in run_eval:
+            setattr(command.eval, key, run_eval[key])
 
 
 class NotLogged(Exception):
@@ -127,14 +126,12 @@ def log_to_run(command: EvalCommand, path: Path, run_id: str, metrics: dict) -> 
     print(f"logged to MLflow run {run_id}")
 
 
-def validation_bpb(path: Path, model, tokenizer, command: EvalCommand, device) -> dict:
-    """val_bpb on the validation split the checkpoint's run trained against."""
-    from frontier.checkpoint import read_checkpoint
+def validation_bpb(saved: dict, model, tokenizer, command: EvalCommand, device) -> dict:
+    """val_bpb on the validation split the checkpoint's run (`saved`: its config) trained against."""
     from frontier.data import load_corpus, resolve_splits, validation_rows
     from frontier.evaluate import val_bpb
 
-    saved = read_checkpoint(path, "checkpoint=")["config"]["data"]
-    data_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved))
+    data_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved["data"]))
     _, val_split = resolve_splits(data_cfg)
     rows = validation_rows(load_corpus(val_split, tokenizer, data_cfg, "val"), model.config.seq_len,
                            command.eval.final_tokens)

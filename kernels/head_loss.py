@@ -223,7 +223,8 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
 
 
 _chunked = make_head_loss(torch_row_loss, torch_row_grad, torch_row_loss_grad)
-# torch.compiler.disable, made on the first call: importing torch._dynamo up front costs every run a second
+# torch.compiler.disable, made on its first call: importing torch._dynamo here would cost every command
+# that loads the model (a command-line check too) a second
 _chunked_eager = torch._disable_dynamo(_chunked)
 
 
