@@ -48,7 +48,7 @@ def test_two_ranks_follow_the_single_process_loss_trajectory(wiki, tmp_path):
     tokenizer = load_tokenizer(config.data, train_split)
     rows = validation_rows(load_corpus(val_split, tokenizer, config.data, "val"), 256, config.eval.final_tokens)
     model = load_for_eval(tmp_path / "two" / "final.pt", "cpu")
-    bpb, _ = val_bpb(model, rows, tokenizer.token_bytes, resolve_device("cpu", "bf16"), batch_rows=8)
+    bpb, _ = val_bpb(model, rows, tokenizer.token_bytes, resolve_device("cpu", summary["precision"]), batch_rows=8)
     assert math.isclose(bpb, summary["val_bpb"], rel_tol=1e-4), (bpb, summary["val_bpb"])
 
 

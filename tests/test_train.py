@@ -43,7 +43,7 @@ def test_a_short_tiny_run_learns_and_leaves_a_loadable_checkpoint(wiki, tmp_path
     assert summary["steps"] > 5 and summary["tokens_seen"] == summary["steps"] * 8192
 
     tokenizer, rows = validation_set(raw)
-    device = resolve_device("cpu", "bf16")
+    device = resolve_device("cpu", summary["precision"])  # as the run measured it
     torch.manual_seed(0)
     untrained = GPT(to_config(raw).model, tokenizer.vocab_size)
     untrained_bpb, _ = val_bpb(untrained, rows, tokenizer.token_bytes, device, batch_rows=8)
