@@ -17,6 +17,14 @@ from hydra import compose, initialize_config_dir
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Each pytest-xdist worker's processes get their share of the cores: two workers whose runs each
+# took every core made OpenMP's threads spin against each other, and two tiny runs side by side
+# took 2.5x as long (read at startup by torch here and by every subprocess, sweep trials included).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from frontier.config import register_schemas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

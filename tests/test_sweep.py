@@ -7,6 +7,7 @@ CPU-sized model and budgets of a few steps, so that a trial takes seconds.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -191,6 +192,21 @@ def test_two_workers_share_a_journal_file(tmp_path):
     storage = str(tmp_path / "study.journal")
     run_two_workers(tmp_path, storage, "shared", 3)
     check_shared(tmp_path, load(storage, "shared"), 3)
+
+
+def test_parallel_cpu_trials_share_the_cores_and_keep_to_the_drivers_thread_cap(monkeypatch):
+    from hydra_plugins.frontier_sweeper._study import device_slots
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [slot.env["OMP_NUM_THREADS"] for slot in device_slots("cpu", 1)] == [str(cores)]
+    if cores >= 2:
+        assert [slot.env["OMP_NUM_THREADS"] for slot in device_slots("cpu", 2)] == [str(cores // 2)] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the driver's own cap wins where it is fewer
+    (slot,) = device_slots("cpu", 1)
+    assert slot.env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} and slot.label == "cpu (1 threads)"
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores * 4))
+    assert [slot.env["OMP_NUM_THREADS"] for slot in device_slots("cpu", 1)] == [str(cores)]
 
 
 # -----------------------------------------------------------------------------

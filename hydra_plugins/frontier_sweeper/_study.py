@@ -65,7 +65,7 @@ def _visible_ids(variable: str, count: int) -> list[str]:
 
 def device_slots(device: str, n_jobs: int, per_trial: int = 1) -> list[Slot]:
     """One slot per parallel trial: its own `per_trial` GPUs or NeuronCores (a torchrun job when more
-    than one), or on CPU its share of the cores."""
+    than one), or on CPU its share of the cores (no more threads than OMP_NUM_THREADS, where set)."""
     import torch
 
     from frontier.device import neuron_available
@@ -89,8 +89,11 @@ def device_slots(device: str, n_jobs: int, per_trial: int = 1) -> list[Slot]:
             raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} CPU "
                               f"cores for parallel CPU trials of sweep.devices_per_trial={per_trial} "
                               f"processes, so at most {len(ids) // per_trial}")
-        threads = str(len(ids) // (n_jobs * per_trial))  # each process its share of the cores
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        threads = len(ids) // (n_jobs * per_trial)  # each process its share of the cores,
+        cap = os.environ.get("OMP_NUM_THREADS", "")  # at most what the environment allows
+        if cap.isdigit() and int(cap) > 0:
+            threads = min(threads, int(cap))
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         return [Slot(f"cpu ({threads} threads)", env) for _ in range(n_jobs)]
     if n_jobs * per_trial > len(ids):
         raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} {kind} "
