@@ -7,6 +7,7 @@ composed DictConfig into objects, before any data is touched.
 from __future__ import annotations
 
 import difflib
+import re
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -47,6 +48,11 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
     _require(value in options, key, value, f"choose one of {', '.join(options)}")
+
+
+def check_device(device: str) -> None:
+    _require(re.fullmatch(r"auto|cpu|(cuda|neuron)(:\d+)?", device) is not None, "device", device,
+             "choose one of auto, cpu, cuda, cuda:N, neuron, neuron:N")
 
 
 def _fraction(key: str, value: float) -> None:
@@ -203,6 +209,9 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         _choice("kernel.name", self.name, ("reference", "compiled", "triton", "nki"))
+        if self.compile_mode is not None:  # torch.compile's modes
+            _choice("kernel.compile_mode", self.compile_mode,
+                    ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
         for op in KERNEL_OPS:
             backend = getattr(self, op)
             if backend is not None:
@@ -257,6 +266,7 @@ class DataConfig:
             _require(self.train_shards >= 1, "data.train_shards", self.train_shards, "must be >= 1")
             _require(self.train_shards <= self.hub_last_shard, "data.train_shards", self.train_shards,
                      f"at most data.hub_last_shard={self.hub_last_shard}")
+        _require(bool(self.cache_dir.strip()), "data.cache_dir", self.cache_dir, "set it to a directory for caches")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         _require(260 <= self.vocab_size <= 65535, "data.vocab_size", self.vocab_size,
                  "between 260 (bytes + a few merges) and 65535 (tokens are stored as uint16)")
@@ -431,8 +441,7 @@ class Config:
     resume: Optional[str] = None  # a run directory (or MLflow run id) to continue from its resume.pt
 
     def __post_init__(self) -> None:
-        _require(self.device.split(":")[0] in ("auto", "cpu", "cuda", "neuron"), "device",
-                 self.device, "choose one of auto, cpu, cuda, cuda:N, neuron")
+        check_device(self.device)
         _choice("precision", self.precision, ("auto", "bf16", "fp32"))
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer in 0 ... 4294967295 (numpy's seed range)")
         _require(self.neuron_logical_cores in (None, 1, 2), "neuron_logical_cores", self.neuron_logical_cores,

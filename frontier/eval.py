@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier.cli import command
-from frontier.config import ConfigError, DataConfig, EvalConfig, TrackingConfig, error_line, key_hint
+from frontier.config import (ConfigError, DataConfig, EvalConfig, TrackingConfig, check_device, error_line,
+                             key_hint)
 
 
 @dataclass
@@ -46,6 +47,7 @@ def parse(argv: list[str]) -> EvalCommand:
         raise ConfigError(f"{arg} is not allowed: {text}" if arg else text) from None
     if (command.checkpoint is None) == (command.run_id is None):
         raise ConfigError("give exactly one of checkpoint=PATH or run_id=ID")
+    check_device(command.device)
     return command
 
 

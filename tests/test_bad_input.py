@@ -96,6 +96,11 @@ BAD = [
     (["precision=fp8"], "precision='fp8' is not allowed: choose one of auto, bf16, fp32"),
     (["neuron_logical_cores=3"], "neuron_logical_cores=3 is not allowed: 1 (8 logical cores per Trainium2 chip)"),
     (["device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
+    (["device=cpu:abc"], "device='cpu:abc' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
+    (["device=auto:1"], "device='auto:1' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
+    (["kernel=compiled", "kernel.compile_mode=foo"], "kernel.compile_mode='foo' is not allowed: choose one of "
+                                                     "default, reduce-overhead, max-autotune"),
+    (["data.cache_dir="], "data.cache_dir='' is not allowed: set it to a directory for caches"),
     (["optim.name=sgd"], "optim.name='sgd' is not allowed: choose one of muon, adamw"),
     (["model.activation=tanh"], "model.activation='tanh' is not allowed: choose one of relu2"),
     (["kernel.attention=cudnn"], "kernel.attention='cudnn' is not allowed: choose one of reference, triton, nki"),
@@ -132,6 +137,8 @@ BAD = [
      "tag is log, on an interval)"),
     (["--multirun", "sweep=lr", "model.depth=tag(log, choice(2,4))"], "'model.depth=tag(log, choice(2,4))' is "
                                                                      "not a valid search space (tag(log, ...) applies"),
+    (["--multirun", "sweep=lr", "model=glob(*)"], "'model=glob(*)' is not a valid search space (glob(...) is not a "
+                                                  "search space: name the options with choice(...))"),
     (["--multirun", "sweep=lr", "sweep.storage=://x"], "sweep.storage='://x' is not reachable"),
     (["--multirun", "sweep=lr", "data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
     (["--multirun", "sweep=lr", "model.depth=range(-4,-2)"], "model.depth=-4 is not allowed: must be a positive "

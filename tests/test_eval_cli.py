@@ -53,6 +53,7 @@ def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
     ([], "give exactly one of checkpoint=PATH or run_id=ID"),
     (["checkpoint=/no/such/final.pt"], "checkpoint=/no/such/final.pt is not allowed: the file does not exist"),
     (["checkpoint=x.pt", "colour=red"], "colour=red is not allowed: frontier.eval has no key 'colour'"),
+    (["checkpoint=x.pt", "device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
 ])
 def test_eval_command_bad_input(args, message):
     result = subprocess.run([sys.executable, "-m", "frontier.eval", *args], cwd=ROOT, capture_output=True,

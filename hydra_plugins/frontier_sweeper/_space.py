@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, Transformer
+from hydra.core.override_parser.types import Glob, Override, Transformer
 from hydra.errors import HydraException
 from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
                                   IntDistribution)
@@ -24,6 +24,8 @@ ALLOWED = "use choice(...), range(...), interval(...) or tag(log, interval(...))
 
 def distribution(override: Override) -> BaseDistribution:
     value = override.value()
+    if isinstance(value, Glob):  # glob(*) lists config group options; a search space names them
+        raise ValueError("glob(...) is not a search space: name the options with choice(...)")
     unknown = sorted(set(value.tags) - {"log"})
     if unknown:  # a misspelt log would otherwise sample the interval uniformly
         raise ValueError(f"unknown tag {', '.join(map(repr, unknown))}; the one tag is log, on an interval")
