@@ -7,8 +7,8 @@ composed DictConfig into objects, before any data is touched.
 from __future__ import annotations
 
 import difflib
-import re
 import math
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional

@@ -22,8 +22,9 @@ if not torch.cuda.is_available():
 # took 2.5x as long (read at startup by torch here and by every subprocess, sweep trials included).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
 
 from frontier.config import register_schemas  # noqa: E402
 
