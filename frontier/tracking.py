@@ -844,8 +844,7 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
         client, (summary or {}).get("mlflow_run_id"))
     created = run_id is None
     if created:
-        run_id = _create_synced_run(client, uri, cfg, config, run_dir, records)
-        write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)  # a second sync finds it
+        run_id = _synced_run(client, uri, cfg, config, run_dir, records)
     status = (summary or {}).get("status")
     died = status not in MLFLOW_STATUS and ended is True  # nothing holds its run.lock: its process is gone
     if died:
@@ -946,8 +945,13 @@ def _existing_run(client: MlflowClient, run_id: str | None) -> str | None:
     return run_id if run.info.lifecycle_stage == "active" else None
 
 
-def _create_synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path,
-                       records: list[dict]) -> str:
+def _synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path, records: list[dict]) -> str:
+    """The MLflow run of a run directory that names none in the store, recorded in tracking.json at once.
+
+    A RUNNING run tagged with this directory is taken up again: one that a sync (or a launch) killed
+    before it wrote tracking.json left behind. Otherwise a new run is made; a signal before it is recorded
+    deletes it again, so that an interrupted sync leaves no run RUNNING for good and the next one no twin.
+    """
     tags = {"run_dir": str(run_dir.resolve())}
     overrides = run_dir / ".hydra" / "overrides.yaml"
     if overrides.exists():
@@ -959,13 +963,30 @@ def _create_synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_di
         experiment_id = _retry(client.get_run, parent).info.experiment_id
     else:
         experiment_id = _experiment_id(client, uri, cfg.experiment)
-    start_ms = int(records[0]["time"] * 1000) if records else None
-    run_id = _retry(client.create_run, experiment_id, start_time=start_ms, run_name=cfg.run_name,
-                    tags=_clip_tags(tags)).info.run_id
-    if config:
-        _log_params(client, run_id, flatten(config))
-        _retry(client.log_text, run_id, OmegaConf.to_yaml(OmegaConf.create(config)), "config.yaml")
+    left = _retry(_running_with_tags, client, experiment_id, {"run_dir": tags["run_dir"]})
+    run_id = left[0] if left else None
+    try:
+        if run_id is None:
+            start_ms = int(records[0]["time"] * 1000) if records else None
+            run_id = _retry(client.create_run, experiment_id, start_time=start_ms, run_name=cfg.run_name,
+                            tags=_clip_tags(tags)).info.run_id
+        if config:
+            _log_params(client, run_id, flatten(config))
+            _retry(client.log_text, run_id, OmegaConf.to_yaml(OmegaConf.create(config)), "config.yaml")
+        write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)  # the next sync finds it
+    except BaseException:
+        if not left:
+            _delete_unrecorded(client, experiment_id, run_id, tags["run_dir"])
+        raise
     return run_id
+
+
+def _delete_unrecorded(client: MlflowClient, experiment_id: str, run_id: str | None, run_dir: str) -> None:
+    """Deletes the run a sync made but never recorded; a signal inside create_run leaves no id, so the
+    run is then found by its tag. Where the store fails too, the next sync takes the run up again."""
+    with contextlib.suppress(Exception):
+        for found in [run_id] if run_id else _running_with_tags(client, experiment_id, {"run_dir": run_dir}):
+            client.delete_run(found)
 
 
 USAGE = "python -m frontier.tracking sync RUN_DIR [tracking.uri=URI]"

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -144,6 +145,22 @@ class Trainer:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def freeze_between_writes(trainer: Trainer, db: Path) -> None:
+    """SIGSTOP the trainer at a moment it holds no lock on its SQLite store: frozen inside a transaction,
+    it would lock every other process out of the store for as long as it stays frozen."""
+    for _ in range(100):
+        trainer.proc.send_signal(signal.SIGSTOP)
+        try:
+            with contextlib.closing(sqlite3.connect(db, timeout=0)) as conn:
+                conn.execute("BEGIN EXCLUSIVE")  # refused while another process holds any lock
+                conn.rollback()
+            return
+        except sqlite3.OperationalError:
+            trainer.proc.send_signal(signal.SIGCONT)
+            time.sleep(0.05)
+    raise AssertionError(f"the trainer held a lock on {db} at each of 100 tries")
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -323,7 +340,7 @@ def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_pa
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=400", "train.log_every_fraction=0.01",
                                 "checkpoint.every_fraction=0", f"tracking.uri={uri}"])
-    trainer.wait_for("a logged step", lambda: (run_dir / "metrics.jsonl").exists())
+    trainer.wait_for("a logged step", lambda: any("train/loss" in r for r in read_records(run_dir / "metrics.jsonl")))
     trainer.proc.send_signal(signal.SIGKILL)
     trainer.finish()
     assert not (run_dir / "resume.pt").exists() and not (run_dir / "summary.json").exists()
@@ -337,9 +354,10 @@ def test_kill_9_before_the_first_checkpoint_then_sync_ends_the_run_killed(tmp_pa
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert "it wrote no resume.pt, so it cannot be resumed" in run.data.tags["error"]
-    logged = [r["step"] for r in records(run_dir) if "train/loss" in r]
+    written = read_records(run_dir / "metrics.jsonl")  # without a line kill -9 may have cut short
+    logged = [r["step"] for r in written if "train/loss" in r]
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == logged
-    assert run.info.end_time == int(records(run_dir)[-1]["time"] * 1000)  # its last sign of life
+    assert run.info.end_time == int(written[-1]["time"] * 1000)  # its last sign of life
     again = sync(run_dir)
     assert again.returncode == 0 and "already in sync" in again.stdout, again.stdout + again.stderr
 
@@ -362,7 +380,7 @@ def test_a_resumed_run_is_not_ended_by_the_summary_of_the_launch_it_continues(tm
     second = Trainer(run_dir, [], resume=True)
     second.wait_for("a step after the resume point", lambda: any(
         r["step"] > resume_step and "train/loss" in r for r in read_records(run_dir / "metrics.jsonl")))
-    second.proc.send_signal(signal.SIGSTOP)  # alive, and holding run.lock
+    freeze_between_writes(second, tmp_path / "mlflow.db")  # alive, and holding run.lock
     live = sync(run_dir)
     assert live.returncode == 0, live.stderr
     assert "its process is still running, so the run is left RUNNING" in live.stdout, live.stdout
@@ -409,11 +427,13 @@ def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_e
     assert client.get_run(run_id).info.status == "KILLED" and not sweep.unclosed
 
 
-# A test-only sitecustomize.py (put on PYTHONPATH): SIGTERM to the process as the K-th call of one
-# MlflowClient method returns, before its caller has the result (FRONTIER_TEST_MLFLOW_SIGNAL="create_run:1").
+# A test-only sitecustomize.py (put on PYTHONPATH): SIGTERM (or the signal named third) to the process as
+# the K-th call of one MlflowClient method returns, before its caller has the result
+# (FRONTIER_TEST_MLFLOW_SIGNAL="create_run:1", "create_run:1:SIGKILL").
 MLFLOW_SIGNAL = """
 import os, signal, time
-method, _, at = os.environ.get("FRONTIER_TEST_MLFLOW_SIGNAL", "").partition(":")
+method, _, rest = os.environ.get("FRONTIER_TEST_MLFLOW_SIGNAL", "").partition(":")
+at, _, name = rest.partition(":")
 if method:
     from mlflow import MlflowClient
     real, calls = getattr(MlflowClient, method), []
@@ -422,7 +442,7 @@ if method:
         result = real(self, *args, **kwargs)
         calls.append(1)
         if len(calls) == int(at):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, name or "SIGTERM"))
             time.sleep(5)  # the handler runs in here
         return result
 
@@ -430,13 +450,14 @@ if method:
 """
 
 
-def signalled_launch(tmp_path: Path, args: list[str], moment: str) -> subprocess.CompletedProcess:
+def signalled_launch(tmp_path: Path, args: list[str], moment: str,
+                     module: str = "frontier.train") -> subprocess.CompletedProcess:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PROJECT_ROOT)]),
            "FRONTIER_TEST_MLFLOW_SIGNAL": moment}
-    return subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=PROJECT_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -456,6 +477,40 @@ def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, templa
     [run] = runs_of(MlflowClient(uri), run_dir)
     assert run.info.status == "KILLED", moment
     assert run.data.tags["error"] == "not started: KeyboardInterrupt: interrupted by SIGTERM"
+
+
+@pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
+def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and_no_twin(tmp_path, template_db,
+                                                                                          moment):
+    """SIGTERM while `sync` makes a run directory's MLflow run takes that run back; after kill -9 the next
+    sync takes it up again. Either way the run directory ends with one run, holding each point once."""
+    uri = store_in(tmp_path, template_db)
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("model:\n  depth: 4\n")
+    now = time.time()
+    written = [{"step": step, "time": now + step, "train/loss": 5.0 - step} for step in (1, 2, 3)]
+    written.append({"step": 3, "time": now + 4, "final": True, "status": "FINISHED", "val_bpb": 3.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "FINISHED", "error": None, "steps": 3, "val_bpb": 3.0}))
+
+    stopped = signalled_launch(tmp_path, ["sync", str(run_dir), f"tracking.uri={uri}"], moment, "frontier.tracking")
+    client = MlflowClient(uri)
+    if moment.endswith("SIGKILL"):
+        assert stopped.returncode == -signal.SIGKILL, stopped.stderr
+        assert [r.info.status for r in runs_of(client, run_dir)] == ["RUNNING"]
+    else:
+        assert stopped.returncode == 130 and stopped.stderr == "interrupted\n", stopped.stderr
+        assert runs_of(client, run_dir) == []
+    assert not (run_dir / "tracking.json").exists()
+
+    done = sync(run_dir, f"tracking.uri={uri}")
+    assert done.returncode == 0 and "status FINISHED" in done.stdout, done.stdout + done.stderr
+    [run] = runs_of(client, run_dir)
+    assert run.info.status == "FINISHED" and run.data.params["model.depth"] == "4"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        (1, 4.0), (2, 3.0), (3, 2.0)]
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run.info.run_id
 
 
 def test_sigterm_while_a_resume_reopens_its_mlflow_run_ends_it_killed_again(tmp_path, template_db):
