@@ -95,11 +95,11 @@ def _take_signals() -> dict:
 
 
 def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,
-         check: Optional[Callable[[DictConfig], None]] = None) -> Callable:
+         check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Callable:
     """`hydra.main` whose user mistakes are one sentence and exit code 2. `user_errors()` gives the
     task's own mistake types (a --multirun job that raises one ends the command the same way; a
-    function, so that they are imported only when needed); `check(cfg)`, the task's own
-    side-effect-free checks of one composed run, is done before Hydra runs."""
+    function, so that they are imported only when needed); `check(cfg, overrides)`, the task's own
+    side-effect-free checks of one composed run and the overrides that made it, is done before Hydra runs."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable:
         hydra_main = hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)
@@ -171,7 +171,7 @@ def one_sentence(err: BaseException) -> str:
 # -- the checks, before Hydra runs ------------------------------------------------------------------
 
 def check_command_line(task: Callable, config_path: str, config_name: str, argv: list[str],
-                       check: Optional[Callable[[DictConfig], None]] = None) -> None:
+                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> None:
     args = parse_args(argv)
     commands = [name for name, given in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                          ("--info", args.info), ("--shell-completion", args.shell_completion)) if given]
@@ -259,6 +259,10 @@ class Composer:
             return self._compose(lines, mode)
         except Exception:  # find the first override that breaks composition, to name it
             pass
+        # Hydra applies the config-group choices before the values, whatever their order: so does the search,
+        # or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed
+        overrides = sorted(overrides, key=lambda o: o.is_delete() or not self.is_group(o.key_or_group))
+        lines = [o.input_line for o in overrides]
         before = self._compose([], mode)
         for i, override in enumerate(overrides):
             try:
@@ -299,6 +303,19 @@ class Composer:
             expected = allowed_type(before, key)
             if expected:
                 return f"{line} is not allowed: must be {expected}"
+        # a config file the override chose (a user's preset) holds the bad key or value: Hydra says which
+        # on later lines of its message, which one sentence would drop
+        inside = re.match(r"In '([^']+)': \w+ raised while composing config:\n(.*?)\n\s*full_key: (\S+)", str(err),
+                          re.S)
+        if inside:
+            where, problem, full_key = inside.groups()
+            value = re.match(r"Value '(.*)' of type", problem)
+            expected = allowed_type(before, full_key)
+            if value and expected:
+                problem = f"{full_key}={value.group(1)} must be {expected}"
+            else:
+                problem = key_problem(before, full_key, self.options) or f"{full_key}: {problem.strip()}"
+            return f"{line} is not allowed: in its config {where}, {problem}"
         return f"{line} is not allowed: {one_sentence(err)}"
 
 
@@ -325,13 +342,13 @@ def task_part(cfg: DictConfig) -> DictConfig:
 
 
 def check_run(app: Composer, cfg: DictConfig, overrides: list[Override],
-              check: Optional[Callable[[DictConfig], None]]) -> None:
+              check: Optional[Callable[[DictConfig, list[Override]], None]]) -> None:
     """One run's config built into typed objects, with every range check."""
     task_cfg = task_part(cfg)
     try:
         to_config(task_cfg)
         if check is not None:
-            check(task_cfg)
+            check(task_cfg, overrides)
     except OmegaConfBaseException as err:  # a deleted required key, an interpolation that fails
         raise ConfigError(explain_value(app, err, overrides, cfg)) from None
 
@@ -422,6 +439,8 @@ def grid(master: DictConfig, overrides: list[Override]) -> list[list[Override]]:
 def check_writable(cfg: DictConfig, key: str) -> None:
     """Hydra creates this directory first thing: one that cannot be created is a mistake found now."""
     path = selected_path(cfg, key)
+    if path == Path(""):  # Hydra would write into the working directory, among whatever is there
+        raise ConfigError(f"{key}='' is not allowed: set it to a directory for Hydra's outputs")
     if path is not None:
         check_writable_path(key, path)
 

@@ -329,6 +329,9 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment), "tracking.experiment", self.experiment, "name an MLflow experiment")
+        in_memory = self.uri is not None and re.fullmatch(r"sqlite://(/:memory:)?(\?.*)?", self.uri)
+        _require(not in_memory, "tracking.uri", self.uri, "an in-memory database ends with the process, so "
+                 "no later command could find the run; name a file, e.g. sqlite:///mlruns/mlflow.db")
         _require(0 <= self.flush_seconds < float("inf"), "tracking.flush_seconds", self.flush_seconds,
                  "a finite number of seconds >= 0")
 

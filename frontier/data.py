@@ -27,7 +27,7 @@ import xxhash
 from filelock import FileLock
 
 from frontier import lifecycle
-from frontier.config import DataConfig, project_path
+from frontier.config import DataConfig, error_line, project_path
 from frontier.tokenizer import Tokenizer, train_tokenizer
 
 TEXT_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
@@ -284,10 +284,24 @@ def _checksum(path: Path) -> str:
     return digest.hexdigest()
 
 
+def given_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer.json `data.tokenizer_path` names; one that is missing or unreadable is a DataError
+    naming the key (the train command checks it before it writes anything)."""
+    path = Path(cfg.tokenizer_path).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.tokenizer_path={cfg.tokenizer_path!r} is not allowed: {path.resolve()} is not a "
+                        "file; name a tokenizer.json saved by the tokenizers library, or leave it unset to train one")
+    try:
+        return Tokenizer.load(path)
+    except Exception as err:
+        raise DataError(f"data.tokenizer_path={cfg.tokenizer_path!r} is not allowed: {path} is not a tokenizer.json "
+                        f"the tokenizers library can read ({error_line(err)})") from None
+
+
 def load_tokenizer(cfg: DataConfig, train: Split) -> Tokenizer:
     """`data.tokenizer_path`, or a BPE trained on the training split and cached by its inputs."""
     if cfg.tokenizer_path:
-        return Tokenizer.load(Path(cfg.tokenizer_path).expanduser())
+        return given_tokenizer(cfg)
     key = _digest([CACHE_VERSION, train.identity(), cfg.vocab_size, cfg.tokenizer_train_chars, cfg.text_column])
     path = _cache_folder(cfg, "tokenizers", key) / "tokenizer.json"
     with FileLock(str(path) + ".lock"):

@@ -13,6 +13,7 @@ The config group `paths` (conf/paths/default.yaml) shows the resolved values; `p
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,15 @@ def under_home(path: str | Path) -> Path:
     """A relative path is taken from home; an absolute one is kept."""
     path = Path(path).expanduser()
     return path if path.is_absolute() else home() / path
+
+
+def database_url(url: str) -> str:
+    """A database URL as SQLAlchemy should open it: SQLAlchemy 2.1 reads postgresql:// as psycopg 3, so
+    where only psycopg2 is installed the URL names it."""
+    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None \
+            and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def sqlite_path(uri: str) -> Path | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
 import json
 import math
 import os
@@ -59,14 +58,6 @@ def safe_storage(spec: str) -> str:
         return make_url(spec).render_as_string(hide_password=True)
     except ArgumentError:
         return re.sub(r"://[^@/]*@", "://***@", spec)
-
-
-def _sqlalchemy_url(url: str) -> str:
-    # SQLAlchemy 2.1 reads postgresql:// as psycopg 3; use psycopg2 where only that is installed
-    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None \
-            and importlib.util.find_spec("psycopg2") is not None:
-        return "postgresql+psycopg2://" + url[len("postgresql://"):]
-    return url
 
 
 class JournalFile(JournalFileBackend):
@@ -144,7 +135,7 @@ def open_storage(spec: str, heartbeat_interval: int | None = None,
     if is_rdb(spec):
         with warnings.catch_warnings():  # heartbeat_interval is "experimental" in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return HeartbeatRDBStorage(_sqlalchemy_url(spec), engine_kwargs={"pool_pre_ping": True},
+            return HeartbeatRDBStorage(paths.database_url(spec), engine_kwargs={"pool_pre_ping": True},
                               heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     path = Path(spec).expanduser().resolve()
     if not create and not path.is_file():

@@ -100,12 +100,13 @@ RUN_KIND_TAG = "run_kind"  # "sweep" on a sweep's parent run; the leaderboard le
 def tracking_uri(tracking_cfg) -> str:
     """`tracking.uri`, else MLFLOW_TRACKING_URI, else the project's SQLite store.
 
-    A relative SQLite path is taken from home (paths.store_under_home), wherever the command runs.
+    A relative SQLite path is taken from home (paths.store_under_home), wherever the command runs; a
+    postgresql:// URL names the driver that is installed (paths.database_url).
     """
     uri = tracking_cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     if not uri:
         return f"sqlite:///{project_path('mlruns') / 'mlflow.db'}"
-    return paths.store_under_home(uri) if uri.startswith("sqlite:///") else uri
+    return paths.store_under_home(uri) if uri.startswith("sqlite:///") else paths.database_url(uri)
 
 
 def probe_server(tracking_cfg) -> None:
@@ -609,6 +610,9 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
 
 def _create_run(client: MlflowClient, uri: str, cfg, run, opened: dict[str, str]) -> str:
     if cfg.parent_run_id:  # a trial: same experiment as its sweep, or the UI will not nest it
+        if _existing_run(client, cfg.parent_run_id) is None:
+            raise ConfigError(f"tracking.parent_run_id={cfg.parent_run_id} is not allowed: tracking.uri={uri} "
+                              "has no such active run to nest this run under")
         experiment_id = _retry(client.get_run, cfg.parent_run_id).info.experiment_id
     else:
         experiment_id = _experiment_id(client, uri, cfg.experiment)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,23 +33,32 @@ def say(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
 
 
-def check(cfg: DictConfig) -> None:
-    """Checked before Hydra writes anything: where `resume=` points and that no process still runs that run,
-    that a local data.path holds data, that data.cache_dir can be written, that this machine has the device,
-    kernels and CORE bundle the run needs, and that a tracking server answers or a SQLite store can be
-    created (a resumed run reads its saved config, checked when it starts)."""
+def check(cfg: DictConfig, overrides: list[Override]) -> None:
+    """Checked before Hydra writes anything: where `resume=` points, that nothing else is asked of a resumed
+    run and that no process still runs it, that a local data.path holds data and data.tokenizer_path a
+    tokenizer, that data.cache_dir can be written, that this machine has the device, kernels and CORE
+    bundle the run needs, and that a tracking server answers or a SQLite store can be created (a resumed
+    run reads its saved config, checked when it starts)."""
     if cfg.resume is not None:
         from frontier.lifecycle import check_not_running
+
+        for override in overrides:  # the saved config wins: anything else asked would be silently dropped
+            if override.key_or_group not in ("resume", "tracking.uri") and not override.is_hydra_override():
+                raise ConfigError(f"{override.input_line} is not allowed with resume=: a resumed run continues "
+                                  "with the config it was launched with (tracking.uri, to find a run by its "
+                                  "MLflow id, and hydra.* options are the only other overrides it takes)")
         from frontier.trainer import resume_location
 
         run_dir = resume_location(str(cfg.resume))
         if run_dir is not None:
             check_not_running(run_dir, "resume")
         return
-    if cfg.data.source == "local":
-        from frontier.data import resolve_splits
+    from frontier.data import given_tokenizer, resolve_splits
 
+    if cfg.data.source == "local":
         resolve_splits(OmegaConf.to_object(cfg.data))
+    if cfg.data.tokenizer_path:
+        given_tokenizer(OmegaConf.to_object(cfg.data))
     cli.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
     from frontier.trainer import check_runnable  # imports torch: after the checks that need none
 

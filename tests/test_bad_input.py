@@ -101,6 +101,17 @@ BAD = [
     (["kernel=compiled", "kernel.compile_mode=foo"], "kernel.compile_mode='foo' is not allowed: choose one of "
                                                      "default, reduce-overhead, max-autotune"),
     (["data.cache_dir="], "data.cache_dir='' is not allowed: set it to a directory for caches"),
+    (["hydra.run.dir="], "hydra.run.dir='' is not allowed: set it to a directory for Hydra's outputs"),
+    (["--multirun", "hydra.sweep.dir="], "hydra.sweep.dir='' is not allowed: set it to a directory for Hydra's "
+                                         "outputs"),
+    (["data.tokenizer_path=README.md"], "data.tokenizer_path='README.md' is not allowed: README.md is not a "
+                                        "tokenizer.json the tokenizers library can read"),
+    (["data.tokenizer_path=/no/such/tokenizer.json"], "data.tokenizer_path='/no/such/tokenizer.json' is not "
+                                                      "allowed: /no/such/tokenizer.json is not a file"),
+    (["tracking.uri=sqlite://"], "tracking.uri='sqlite://' is not allowed: an in-memory database ends with the "
+                                 "process"),
+    (["tracking.uri=sqlite:///:memory:"], "tracking.uri='sqlite:///:memory:' is not allowed: an in-memory "
+                                          "database ends with the process"),
     (["optim.name=sgd"], "optim.name='sgd' is not allowed: choose one of muon, adamw"),
     (["model.activation=tanh"], "model.activation='tanh' is not allowed: choose one of relu2"),
     (["kernel.attention=cudnn"], "kernel.attention='cudnn' is not allowed: choose one of reference, triton, nki"),
@@ -109,6 +120,8 @@ BAD = [
     (["data.vocab_size=100"], "data.vocab_size=100 is not allowed: between 260"),
     (["tracking.experiment="], "tracking.experiment='' is not allowed: name an MLflow experiment"),
     # --multirun: every point of a grid is checked before the first runs
+    (["--multirun", "sweep.n_trials=3", "sweep=lr", "model.depth=abc"], "model.depth=abc is not allowed: must be an "
+                                                                        "integer"),
     (["--multirun", "model=tiny,huge"], f"model=huge is not allowed: model has no such option; choose one of {MODELS}"),
     (["--multirun", "model.depth=2,abc"], "model.depth=abc is not allowed: must be an integer"),
     (["--multirun", "model.depth=2,-1"], "model.depth=-1 is not allowed: must be a positive integer"),
@@ -176,6 +189,21 @@ def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, 
 
 def test_the_table_is_at_least_sixty_distinct_mistakes():
     assert len({" ".join(args) for args, _ in BAD}) == len(BAD) >= 60
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("defaults: [tiny, _self_]\nname: mine\ndepth: abc\n", "model.depth=abc must be an integer"),
+    ("defaults: [tiny, _self_]\nname: mine\ndpeth: 4\n", "model has no key 'dpeth'; did you mean depth?"),
+], ids=["bad value", "bad key"])
+def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(tmp_path, preset, message):
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text(preset)
+    (tmp_path / "out").mkdir()
+    result = run_cli(["--config-dir", str(tmp_path / "conf"), *FAST, *isolated(tmp_path / "out"), "model=mine"],
+                     timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: model=mine is not allowed: in its config model/mine, {message}\n"
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp_path):

@@ -86,7 +86,7 @@ def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
     proc.wait()
     assert not (tmp_path / "run" / "final.pt").exists()
     home = tmp_path / "home"  # where a resume's own Hydra folder would go, under outputs/
-    resumed = cli([f"resume={tmp_path / 'run'}", "tracking.enabled=false"],
+    resumed = cli([f"resume={tmp_path / 'run'}"],
                   env={**os.environ, "FRONTIER_HOME": str(home)})
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err

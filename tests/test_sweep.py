@@ -247,7 +247,18 @@ def compose_sweep():
     (["sweep=lr"], {"optim.matrix_lr": "interval(0.1"},
      "sweep.params.optim.matrix_lr='interval(0.1' is not a valid search-space expression"),
     (["sweep=lr"], {"optim.matrix_lr": "tag(log, interval(0, 1))"}, "is not a valid search space"),
-    (["sweep=lr"], {"optim.matrix_lrr": "interval(0.1, 0.2)"}, "do not compose"),
+    (["sweep=lr"], {"optim.matrix_lrr": "interval(0.1, 0.2)"},
+     "optim.matrix_lrr=0.1 is not allowed: optim has no key 'matrix_lrr'; did you mean matrix_lr? (from the search "
+     "space sweep.params.optim.matrix_lrr='interval(0.1, 0.2)')"),
+    (["sweep=lr"], {"model.depth": "choice(abc, 4)"}, "model.depth=abc is not allowed: must be an integer (from the "
+                                                      "search space sweep.params.model.depth='choice(abc, 4)')"),
+    (["sweep=lr"], {"model": "choice(tiny, huge)"},
+     "model=huge is not allowed: model has no such option; choose one of"),
+    (["sweep=lr"], {"data.path": "choice(/no/such/a, /no/such/b)"}, "data.path='/no/such/a' does not exist"),
+    (["sweep=lr"], {"model.depth": "range(1, 10, -1)"},
+     "sweep.params.model.depth='range(1, 10, -1)' is not a valid search space (the range holds no values)"),
+    (["sweep=lr"], {"model.depth": "range(5, 5)"},
+     "sweep.params.model.depth='range(5, 5)' is not a valid search space (the range holds no values)"),
     (["sweep=lr", "sweep.sampler=bayes"], None,
      "sweep.sampler='bayes' is not allowed: choose one of tpe, random, grid, cmaes, gp"),
     (["sweep=lr", "sweep.pruner=asha"], None, "sweep.pruner='asha' is not allowed"),
@@ -269,6 +280,50 @@ def test_every_preset_is_ready_to_run(compose_sweep, preset, tmp_path):
     sweep = compose_sweep(f"sweep={preset}", f"sweep.storage={tmp_path / 'study.journal'}", params=space)
     assert sweep.study.study_name == preset
     assert sweep.space
+
+
+@pytest.mark.parametrize("expr, values", [
+    ("range(10, 1, -1)", range(10, 1, -1)), ("range(10, 1, -3)", range(10, 1, -3)),
+    ("range(4, 17, 2)", range(4, 17, 2)),
+    ("range(1.0, 0.0, -0.25)", [1.0, 0.75, 0.5, 0.25]), ("range(1.0, 0.0, -0.3)", [1.0, 0.7, 0.4, 0.1]),
+])
+def test_a_range_holds_pythons_values_descending_too(expr, values):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.frontier_sweeper._space import distribution, grid_values
+
+    dist = distribution(OverridesParser.create().parse_override(f"model.depth={expr}"))
+    assert grid_values({"model.depth": dist})["model.depth"] == pytest.approx(sorted(values))
+
+
+def test_a_descending_range_sweeps_its_values(tmp_path):
+    storage = tmp_path / "study.journal"
+    run_sweep(tmp_path / "out", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none", f"sweep.storage={storage}",
+              "model.depth=range(2,0,-1)")
+    study = load(str(storage), "custom")
+    assert states(study) == ["COMPLETE", "COMPLETE"]
+    assert sorted(t.params["model.depth"] for t in study.trials) == [1, 2]
+
+
+@pytest.mark.parametrize("space, message", [
+    ("model.dpeth=choice(2,4)", "model.dpeth=2 is not allowed: model has no key 'dpeth'; did you mean depth? (from "
+                                "the search space 'model.dpeth=choice(2,4)')"),
+    ("model.depth=choice(abc,4)", "model.depth=abc is not allowed: must be an integer (from the search space "
+                                  "'model.depth=choice(abc,4)')"),
+    ("data.path=choice({wiki},/no/such/folder)", "data.path='/no/such/folder' does not exist (looked in "
+                                                 "/no/such/folder)"),
+    ("model.depth=range(1,10,-1)", "'model.depth=range(1,10,-1)' is not a valid search space (the range holds no "
+                                   "values)"),
+], ids=["key", "value", "data.path", "empty range"])
+def test_a_bad_value_in_the_search_space_is_one_sentence_before_anything_runs(tmp_path, space, message):
+    from tests.conftest import WIKI
+
+    done = subprocess.run(sweep_command(tmp_path / "out", "sweep=lr", f"sweep.storage={tmp_path / 'study.journal'}",
+                                        space.format(wiki=WIKI)),
+                          cwd=ROOT, text=True, timeout=600, capture_output=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(f"error: {message}")
+    assert list(tmp_path.iterdir()) == []  # no study, no sweep directory, no trial
 
 
 def test_bad_input_on_the_command_line_starts_no_trial(tmp_path):

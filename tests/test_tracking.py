@@ -709,3 +709,35 @@ def test_phase2_scores_hand_computed():
     # val_bpb (lower better) -> 1, 0, 0.5; core (higher better) -> 0, 1, 0.75
     assert leaderboard.phase2_scores(rows) == pytest.approx([0.5, 0.5, 0.625])
     assert leaderboard.phase2_scores([{"val_bpb": 1.0, "core": 0.2}]) == [1.0]
+
+
+@pytest.mark.slow
+def test_a_postgresql_tracking_uri_records_the_run_with_the_driver_that_is_installed(tmp_path):
+    """`tracking.uri=postgresql://…` as README gives it: SQLAlchemy would read it as psycopg 3, which the
+    project does not install; the run must be recorded through psycopg2, and `sync` finds it again."""
+    psycopg2 = pytest.importorskip("psycopg2")
+    database = f"frontier_tracking_{os.getpid()}_{time.time_ns()}"
+    try:
+        admin = psycopg2.connect("postgresql://postgres@127.0.0.1:5432/test", connect_timeout=5)
+    except psycopg2.OperationalError as err:
+        pytest.skip(f"no PostgreSQL on 127.0.0.1:5432 ({err})")
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {database}")
+    uri = f"postgresql://postgres@127.0.0.1:5432/{database}"
+    try:
+        run_dir = tmp_path / "run"
+        done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, "tracking.enabled=true",
+                               f"tracking.uri={uri}", f"hydra.run.dir={run_dir}"], cwd=PROJECT_ROOT,
+                              env={**os.environ, "FRONTIER_HOME": str(tmp_path)}, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        client = MlflowClient(f"postgresql+psycopg2://postgres@127.0.0.1:5432/{database}")
+        run = only_run(client)
+        assert run.info.status == "FINISHED" and run.data.tags["run_dir"] == str(run_dir.resolve())
+        assert run.info.run_id == json.loads((run_dir / "summary.json").read_text())["mlflow_run_id"]
+        again = subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), f"tracking.uri={uri}"],
+                               cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and "already in sync" in again.stdout, again.stdout + again.stderr
+    finally:
+        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")  # MLflow's client may still be connected
+        admin.close()

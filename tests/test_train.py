@@ -130,16 +130,22 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "resume.pt").write_bytes(b"PK\x03\x04 half a zip file")
     (tmp_path / "a_file").write_text("")
+    tracked = [*FAST, "tracking.enabled=true", f"tracking.uri=sqlite:///{store}"]
+    foreign = f"resume={tmp_path / 'foreign'}"
     cases = [
         (["resume=/nonexistent/run"], "resume=/nonexistent/run is not allowed: /nonexistent/run does not exist"),
-        ([f"resume={tmp_path / 'foreign'}"], f"resume={tmp_path / 'foreign' / 'resume.pt'} is not allowed: it is "
-                                              "truncated, damaged or not a torch checkpoint"),
-        (["train.batch_tokens=8192", "train.device_batch_rows=12"], "train.device_batch_rows=12 is not allowed"),
-        ([f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"], f"hydra.run.dir={tmp_path / 'a_file' / 'run'} is not "
-                                                          "allowed: it cannot be created (Not a directory"),
+        ([foreign, f"tracking.uri=sqlite:///{store}"], f"resume={tmp_path / 'foreign' / 'resume.pt'} is not allowed: "
+                                                       "it is truncated, damaged or not a torch checkpoint"),
+        ([foreign, "model.depth=8"], "model.depth=8 is not allowed with resume=: a resumed run continues with the "
+                                     "config it was launched with"),
+        ([*tracked, foreign], "model=tiny is not allowed with resume="),
+        ([*tracked, "train.batch_tokens=8192", "train.device_batch_rows=12"],
+         "train.device_batch_rows=12 is not allowed"),
+        ([*tracked, f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"],
+         f"hydra.run.dir={tmp_path / 'a_file' / 'run'} is not allowed: it cannot be created (Not a directory"),
     ]
     for args, message in cases:
-        result = run_cli([*FAST, "tracking.enabled=true", f"tracking.uri=sqlite:///{store}", *args])
+        result = run_cli(args)
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: {message}"), (args, result.stderr)

@@ -40,10 +40,12 @@ def distribution(override: Override) -> BaseDistribution:
         values = list(override.sweep_iterator())
         if not values:
             raise ValueError("the range holds no values")
+        # Optuna's step must be positive: a descending range is the same values counted up from its last
+        last = values[0] + value.step * (len(values) - 1)  # not values[-1]: float steps accumulate errors
         if all(isinstance(v, int) for v in values):
-            return IntDistribution(values[0], values[-1], step=value.step)
-        return FloatDistribution(values[0], round(values[0] + value.step * (len(values) - 1), 12),
-                                 step=value.step)
+            return IntDistribution(min(values[0], last), max(values[0], last), step=abs(value.step))
+        low, high = sorted((values[0], round(last, 12)))
+        return FloatDistribution(low, high, step=abs(value.step))
     if override.is_interval_sweep():
         log = "log" in value.tags
         if isinstance(value.start, int) and isinstance(value.end, int):
@@ -52,13 +54,16 @@ def distribution(override: Override) -> BaseDistribution:
     raise ValueError(f"{type(value).__name__} is not supported")
 
 
-def parse(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, BaseDistribution], list[str]]:
-    """The search space and the overrides every trial gets. `params` come from the preset;
-    `arguments` are the command line's: its sweeps (model=base,wide) join the space, its plain
-    values are passed on, and `sweep=...` / `sweep.*` only configure the sweeper."""
+def parse(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, BaseDistribution], list[str],
+                                                                dict[str, str]]:
+    """The search space, the overrides every trial gets, and each space key as the user wrote it (for
+    errors). `params` come from the preset; `arguments` are the command line's: its sweeps
+    (model=base,wide) join the space, its plain values are passed on, and `sweep=...` / `sweep.*`
+    only configure the sweeper."""
     parser = OverridesParser.create()
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}  # key -> the override as written
+    written: dict[str, str] = {}  # space key -> where and how it was written
     # (what to call it in an error, the override line)
     lines = [(f"sweep.params.{key}={expr!r}", f"{key}={expr}") for key, expr in params.items()]
     lines += [(repr(arg), arg) for arg in arguments]
@@ -78,9 +83,10 @@ def parse(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, BaseD
                 space[key] = distribution(override)
             except (ValueError, HydraException) as err:
                 raise ConfigError(f"{name} is not a valid search space ({err}): {ALLOWED}") from None
+            written[key] = name
         else:
             fixed[key] = line
-    return space, list(fixed.values())
+    return space, list(fixed.values()), {key: written[key] for key in space}
 
 
 def as_override(key: str, value: Any) -> str:

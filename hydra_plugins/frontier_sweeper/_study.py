@@ -25,13 +25,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.cli import task_part, unwritable
+from frontier.cli import Composer, parse_override, task_part, unwritable
 from frontier.config import ConfigError, SweepConfig, error_line, to_config
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
@@ -216,7 +217,7 @@ class Sweep:
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config = config
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
-        self.space, self.fixed = parse(self.sweep.params, arguments)
+        self.space, self.fixed, self.written = parse(self.sweep.params, arguments)
         if not self.space:  # every trial would be the same run
             raise ConfigError(f"sweep={self.sweep.name} is not allowed without a search space: give one in the "
                               "preset's params or on the command line, e.g. "
@@ -262,8 +263,11 @@ class Sweep:
         self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
 
     def check_composes(self, config_loader) -> None:
-        """Every trial's overrides must compose (keys exist, types fit) and pass a run's range checks
-        before any trial starts: the lowest point, then each choice and each upper end in turn."""
+        """Every trial's overrides must compose (keys exist, types fit) and pass the checks a single run
+        gets up front (range checks, data.path, ...) before any trial starts: the lowest point, then
+        each choice and each upper end in turn."""
+        from frontier.train import check, user_errors  # the train command line's own checks of one run
+
         first = {key: _low(dist) for key, dist in self.space.items()}
         batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
         for params in batches:
@@ -271,12 +275,33 @@ class Sweep:
             try:
                 trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:
-                raise ConfigError(f"the trial overrides {' '.join(overrides)} do not compose: "
-                                  f"{error_line(err, named=False)}") from None
+                raise ConfigError(self.why_not_composed(config_loader, params, err)) from None
             try:
-                to_config(task_part(trial_config))
-            except ConfigError as err:  # e.g. a range reaching a depth of 0
+                to_config(task_part(trial_config))  # e.g. a range reaching a depth of 0
+                # e.g. a choice of data.path that does not exist
+                check(task_part(trial_config), [parse_override(line) for line in overrides])
+            except user_errors() as err:
                 raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
+
+    def why_not_composed(self, config_loader, params: dict, err: Exception) -> str:
+        """The space's first value that does not compose, worded as the command line words it for a single
+        run (`model.depth=abc is not allowed: must be an integer`), and where the search space has it."""
+        # frontier.cli's Composer explains a failed override from the config before it: it needs only the loader
+        composer = Composer(SimpleNamespace(config_loader=config_loader), self.config.hydra.job.config_name)
+        lines = self.fixed + ["trial.number=0"]
+        try:  # the fixed overrides passed the command line's checks: the space's values are added one by one
+            before = config_loader.load_sweep_config(self.config, lines)
+            # as Hydra applies them: config-group choices first, or a value under a group chosen later is blamed
+            for key, value in sorted(params.items(), key=lambda item: not composer.is_group(item[0])):
+                lines = lines + [as_override(key, value)]
+                try:
+                    before = config_loader.load_sweep_config(self.config, lines)
+                except Exception as failed:
+                    explained = composer.explain(parse_override(lines[-1]), failed, before)
+                    return f"{explained} (from the search space {self.written[key]})"
+        except Exception:
+            pass
+        return f"the trial overrides {' '.join(lines)} do not compose: {error_line(err, named=False)}"
 
     def open_study(self) -> optuna.Study:
         try:
