@@ -841,7 +841,13 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
     config = _run_config(run_dir)
     cfg = _tracking_config(config)
     ack = read_ack(run_dir)
-    uri = tracking_uri(TrackingConfig(uri=uri)) if uri else ack.get("uri") or tracking_uri(cfg)
+    if uri:
+        uri = tracking_uri(TrackingConfig(uri=uri))
+        given = paths.sqlite_path(uri)
+        if given is not None and not given.exists():  # a mistyped path would get a new store of its own
+            raise ConfigError(f"tracking.uri={uri} is not allowed: there is no MLflow store there (sync sends a "
+                              "run to an existing store; name the one the runs went to)")
+    uri = uri or ack.get("uri") or tracking_uri(cfg)
     ensure_store(uri)
     client = MlflowClient(uri)
     run_id = _existing_run(client, ack.get("run_id") if ack.get("uri") == uri else None) or _existing_run(
