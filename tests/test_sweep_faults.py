@@ -78,7 +78,7 @@ def existing_study(storage: Path) -> None:
 
     from hydra_plugins.frontier_sweeper._space import parse
 
-    space, _ = parse(OmegaConf.to_container(OmegaConf.load(ROOT / "sweeps" / "lr.yaml").params), [])
+    space, _, _ = parse(OmegaConf.to_container(OmegaConf.load(ROOT / "sweeps" / "lr.yaml").params), [])
     study = optuna.create_study(study_name="changed", storage=open_storage(str(storage)))
     study.set_user_attr("overrides", [*TINY, *SHORT])
     study.set_user_attr("sweep", {"name": "lr", "space": {key: str(dist) for key, dist in space.items()},
@@ -542,11 +542,11 @@ def doomed_storage(request, tmp_path):
     postgres_or_skip()
     from sqlalchemy import create_engine, text
 
-    from frontier.study import _sqlalchemy_url
+    from frontier.paths import database_url
 
     database = f"frontier_fault_{uuid.uuid4().hex[:8]}"
     server = POSTGRES.rsplit("/", 1)[0]
-    admin = create_engine(_sqlalchemy_url(f"{server}/postgres"), isolation_level="AUTOCOMMIT")
+    admin = create_engine(database_url(f"{server}/postgres"), isolation_level="AUTOCOMMIT")
 
     def drop():
         with admin.connect() as conn:  # FORCE: the sweep's open connections too
