@@ -37,7 +37,9 @@ def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
     for i in range(steps):
         a, b, c = table[min(i, len(table) - 1)]
         A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.dim() == 3 else torch.addmm(A, A, A, beta=b, alpha=c)
+        # a*X + B@X, each scale folded into the matmul: no separate pass over the matrices for it
+        X = torch.baddbmm(X, B, X, beta=a) if X.dim() == 3 else torch.addmm(X, B, X, beta=a)
     return X.mT if tall else X
 
 
