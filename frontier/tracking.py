@@ -844,9 +844,9 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
     if uri:
         uri = tracking_uri(TrackingConfig(uri=uri))
         given = paths.sqlite_path(uri)
-        if given is not None and not given.exists():  # a mistyped path would get a new store of its own
-            raise ConfigError(f"tracking.uri={uri} is not allowed: there is no MLflow store there (sync sends a "
-                              "run to an existing store; name the one the runs went to)")
+        if given is not None and not given.exists():  # wanted (a first store for runs trained offline) or a typo
+            _warn(f"there was no MLflow store at tracking.uri={uri}, so sync creates one there (if you meant an "
+                  "existing store, check the path)")
     uri = uri or ack.get("uri") or tracking_uri(cfg)
     ensure_store(uri)
     client = MlflowClient(uri)

@@ -421,6 +421,8 @@ def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
     # Later, the run goes to a store that never heard of it: sync creates its MLflow run.
     store = sqlite_uri(tmp_path)
     assert "created" in tracking.sync(tmp_path / "run", store)
+    assert f"warning: tracking: there was no MLflow store at tracking.uri={store}, so sync creates one" in (
+        capfd.readouterr().err)
     client = MlflowClient(store)
     run = only_run(client)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
@@ -540,12 +542,7 @@ def test_resume_reopens_the_run_and_sends_what_it_missed(tmp_path, store):
 
 def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
     (tmp_path / "empty").mkdir()
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": time.time(), "train/loss": 4.0}))
-    typo = tmp_path / "mlruns-typo" / "mlflow.db"
     for args, says in ((["sync", str(tmp_path / "empty")], "is not a run directory"),
-                       (["sync", str(tmp_path / "run"), f"tracking.uri=sqlite:///{typo}"],
-                        f"tracking.uri=sqlite:///{typo} is not allowed: there is no MLflow store there"),
                        (["sync", str(tmp_path / "missing")], "no such directory"),
                        (["sync"], "needs the run directory"),
                        (["push", str(tmp_path)], "push is not allowed"),
@@ -554,7 +551,7 @@ def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and says in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
-    assert not list((tmp_path / "empty").iterdir()) and not typo.parent.exists()  # nothing written
+    assert not list((tmp_path / "empty").iterdir())  # nothing written
 
 
 def dead_run_dir(tmp_path: Path, uri: str) -> tuple[Path, str]:
