@@ -259,18 +259,24 @@ class Composer:
             return self._compose(lines, mode)
         except Exception:  # find the first override that breaks composition, to name it
             pass
-        # Hydra applies the config-group choices before the values, whatever their order: so does the search,
-        # or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed
+        culprit = self.culprit(overrides, lambda lines: self._compose(lines, mode))
+        if culprit is None:
+            raise ConfigError(f"{' '.join(lines)} is not allowed: these overrides do not compose together")
+        raise ConfigError(culprit[1])
+
+    def culprit(self, overrides: list[Override],
+                compose: Callable[[list[str]], DictConfig]) -> Optional[tuple[Override, str]]:
+        """The first override `compose` cannot add to those before it, and why in words; None if each
+        composes. Hydra applies the config-group choices before the values, whatever their order: so does
+        the search, or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed."""
         overrides = sorted(overrides, key=lambda o: o.is_delete() or not self.is_group(o.key_or_group))
-        lines = [o.input_line for o in overrides]
-        before = self._compose([], mode)
+        before = compose([])
         for i, override in enumerate(overrides):
             try:
-                after = self._compose(lines[:i + 1], mode)
+                before = compose([o.input_line for o in overrides[:i + 1]])
             except Exception as err:
-                raise ConfigError(self.explain(override, err, before)) from None
-            before = after
-        raise ConfigError(f"{' '.join(lines)} is not allowed: these overrides do not compose together")
+                return override, self.explain(override, err, before)
+        return None
 
     def _compose(self, lines: list[str], mode: RunMode) -> DictConfig:
         return self.app.compose_config(config_name=self.config_name, overrides=list(lines), run_mode=mode,

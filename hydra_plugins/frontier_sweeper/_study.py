@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier.cli import Composer, parse_override, task_part, unwritable
-from frontier.config import ConfigError, SweepConfig, error_line, to_config
+from frontier.cli import Composer, check_run, parse_override, unwritable
+from frontier.config import ConfigError, SweepConfig, error_line
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
@@ -268,6 +268,8 @@ class Sweep:
         each choice and each upper end in turn."""
         from frontier.train import check, user_errors  # the train command line's own checks of one run
 
+        # frontier.cli's Composer explains a failed override from the config before it: it needs only the loader
+        composer = Composer(SimpleNamespace(config_loader=config_loader), self.config.hydra.job.config_name)
         first = {key: _low(dist) for key, dist in self.space.items()}
         batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
         for params in batches:
@@ -275,33 +277,27 @@ class Sweep:
             try:
                 trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:
-                raise ConfigError(self.why_not_composed(config_loader, params, err)) from None
-            try:
-                to_config(task_part(trial_config))  # e.g. a range reaching a depth of 0
-                # e.g. a choice of data.path that does not exist
-                check(task_part(trial_config), [parse_override(line) for line in overrides])
+                raise ConfigError(self.why_not_composed(composer, config_loader, params, err)) from None
+            try:  # e.g. a range reaching a depth of 0, a choice of data.path that does not exist
+                check_run(composer, trial_config, [parse_override(line) for line in overrides], check)
             except user_errors() as err:
                 raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
 
-    def why_not_composed(self, config_loader, params: dict, err: Exception) -> str:
+    def why_not_composed(self, composer: Composer, config_loader, params: dict, err: Exception) -> str:
         """The space's first value that does not compose, worded as the command line words it for a single
         run (`model.depth=abc is not allowed: must be an integer`), and where the search space has it."""
-        # frontier.cli's Composer explains a failed override from the config before it: it needs only the loader
-        composer = Composer(SimpleNamespace(config_loader=config_loader), self.config.hydra.job.config_name)
-        lines = self.fixed + ["trial.number=0"]
-        try:  # the fixed overrides passed the command line's checks: the space's values are added one by one
-            before = config_loader.load_sweep_config(self.config, lines)
-            # as Hydra applies them: config-group choices first, or a value under a group chosen later is blamed
-            for key, value in sorted(params.items(), key=lambda item: not composer.is_group(item[0])):
-                lines = lines + [as_override(key, value)]
-                try:
-                    before = config_loader.load_sweep_config(self.config, lines)
-                except Exception as failed:
-                    explained = composer.explain(parse_override(lines[-1]), failed, before)
-                    return f"{explained} (from the search space {self.written[key]})"
-        except Exception:
-            pass
-        return f"the trial overrides {' '.join(lines)} do not compose: {error_line(err, named=False)}"
+        fixed = self.fixed + ["trial.number=0"]  # these passed the command line's checks
+        space = [parse_override(as_override(k, v)) for k, v in params.items()]
+        try:
+            culprit = composer.culprit(space, lambda lines: config_loader.load_sweep_config(self.config,
+                                                                                           fixed + lines))
+        except Exception:  # the fixed overrides alone do not compose here
+            culprit = None
+        if culprit is None:
+            lines = fixed + [o.input_line for o in space]
+            return f"the trial overrides {' '.join(lines)} do not compose: {error_line(err, named=False)}"
+        override, why = culprit
+        return f"{why} (from the search space {self.written[override.key_or_group]})"
 
     def open_study(self) -> optuna.Study:
         try:
