@@ -29,7 +29,7 @@ def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
     end of the table the last one repeats (the classic iteration has a single triple).
     """
     table = COEFFICIENTS[coefficients]
-    X = G.to(dtype)  # no copy when G is already in dtype
+    X = G.to(dtype).reshape(-1, *G.shape[-2:])  # one stack of matrices, as baddbmm takes; no copy if it is one
     tall = X.size(-2) > X.size(-1)
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -37,10 +37,10 @@ def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
     for i in range(steps):
         a, b, c = table[min(i, len(table) - 1)]
         A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.dim() == 3 else torch.addmm(A, A, A, beta=b, alpha=c)
-        # a*X + B@X, each scale folded into the matmul: no separate pass over the matrices for it
-        X = torch.baddbmm(X, B, X, beta=a) if X.dim() == 3 else torch.addmm(X, B, X, beta=a)
-    return X.mT if tall else X
+        # b*A + c*A@A, then a*X + B@X: each scale folded into the matmul, no separate pass over the matrices
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return (X.mT if tall else X).reshape(G.shape)
 
 
 class Muon(torch.optim.Optimizer):
