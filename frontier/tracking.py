@@ -51,7 +51,7 @@ from filelock import FileLock
 from hydra.core.hydra_config import HydraConfig
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -610,10 +610,11 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
 
 def _create_run(client: MlflowClient, uri: str, cfg, run, opened: dict[str, str]) -> str:
     if cfg.parent_run_id:  # a trial: same experiment as its sweep, or the UI will not nest it
-        if _existing_run(client, cfg.parent_run_id) is None:
+        parent = _active_run(client, cfg.parent_run_id)
+        if parent is None:
             raise ConfigError(f"tracking.parent_run_id={cfg.parent_run_id} is not allowed: tracking.uri={uri} "
                               "has no such active run to nest this run under")
-        experiment_id = _retry(client.get_run, cfg.parent_run_id).info.experiment_id
+        experiment_id = parent.info.experiment_id
     else:
         experiment_id = _experiment_id(client, uri, cfg.experiment)
     opened["experiment_id"] = experiment_id
@@ -638,13 +639,19 @@ def _end_broken_start(client: MlflowClient, run, opened: dict[str, str], err: Ba
     status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
     run_dir = str(Path(run.run_dir).resolve())
     try:
-        run_ids = [opened["run_id"]] if "run_id" in opened else []
-        if not run_ids and "experiment_id" in opened:
-            run_ids = _running_with_tags(client, opened["experiment_id"], {"run_dir": run_dir})
-        for run_id in run_ids:
+        for run_id in _made_by_broken_start(client, opened.get("run_id"), opened.get("experiment_id"), run_dir):
             _set_status(client, run_id, status, f"not started: {store_error_line(err)}", _now_ms())
     except Exception:  # the store is what failed: the run's own files hold what there is
         pass
+
+
+def _made_by_broken_start(client: MlflowClient, run_id: str | None, experiment_id: str | None,
+                          run_dir: str) -> list[str]:
+    """The run a start that broke off made: its id, or, as a signal inside `create_run` leaves none, the
+    RUNNING runs of its experiment tagged with its run directory."""
+    if run_id:
+        return [run_id]
+    return _running_with_tags(client, experiment_id, {"run_dir": run_dir}) if experiment_id else []
 
 
 def _reopen(client: MlflowClient, run_id: str) -> None:
@@ -944,6 +951,12 @@ def _tracking_config(config: dict) -> TrackingConfig:
 
 
 def _existing_run(client: MlflowClient, run_id: str | None) -> str | None:
+    run = _active_run(client, run_id)
+    return run.info.run_id if run is not None else None
+
+
+def _active_run(client: MlflowClient, run_id: str | None) -> Run | None:
+    """The run of that id, unless it does not exist or was deleted."""
     if not run_id:
         return None
     try:
@@ -952,7 +965,7 @@ def _existing_run(client: MlflowClient, run_id: str | None) -> str | None:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
         raise
-    return run_id if run.info.lifecycle_stage == "active" else None
+    return run if run.info.lifecycle_stage == "active" else None
 
 
 def _synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path, records: list[dict]) -> str:
@@ -967,10 +980,10 @@ def _synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path
     if overrides.exists():
         loaded = _load_run_file(run_dir, overrides, OmegaConf.load, "YAML")
         tags["hydra.overrides"] = " ".join(str(o) for o in (loaded if isinstance(loaded, ListConfig) else []))
-    parent = _existing_run(client, cfg.parent_run_id)
-    if parent:
-        tags[MLFLOW_PARENT_RUN_ID] = parent
-        experiment_id = _retry(client.get_run, parent).info.experiment_id
+    parent = _active_run(client, cfg.parent_run_id)
+    if parent is not None:
+        tags[MLFLOW_PARENT_RUN_ID] = parent.info.run_id
+        experiment_id = parent.info.experiment_id
     else:
         experiment_id = _experiment_id(client, uri, cfg.experiment)
     left = _retry(_running_with_tags, client, experiment_id, {"run_dir": tags["run_dir"]})
@@ -995,7 +1008,7 @@ def _delete_unrecorded(client: MlflowClient, experiment_id: str, run_id: str | N
     """Deletes the run a sync made but never recorded; a signal inside create_run leaves no id, so the
     run is then found by its tag. Where the store fails too, the next sync takes the run up again."""
     with contextlib.suppress(Exception):
-        for found in [run_id] if run_id else _running_with_tags(client, experiment_id, {"run_dir": run_dir}):
+        for found in _made_by_broken_start(client, run_id, experiment_id, run_dir):
             client.delete_run(found)
 
 
