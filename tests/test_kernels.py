@@ -180,7 +180,22 @@ def test_the_soft_cap_in_sigmoid_form_is_tanh_to_within_two_ulps_of_one():
     assert got.abs().max() <= 1.0  # the logits stay inside the cap
 
 
-def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile():
+@pytest.mark.parametrize("softcap", [None, 3.0, 15.0])
+def test_the_compiled_chunk_arithmetic_matches_the_eager_one(softcap):
+    torch.manual_seed(0)
+    z = torch.randn(64, 300) * 8
+    targets = torch.randint(0, 300, (64,))
+    targets[[3, 40]] = chunked.IGNORE
+    scale = (targets != chunked.IGNORE).float() / 62
+    expected = chunked.torch_row_loss_grad(z.clone(), targets, scale, softcap, None)
+    got = chunked.compiled_row_loss_grad(z.clone(), targets, scale, softcap, None)
+    for g, e in zip(got, expected):  # loss, log-sum-exp and the gradient
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert got[0][3] == 0 and got[2][40].abs().max() == 0  # ignored rows neither lose nor learn
+
+
+def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile(monkeypatch):
+    monkeypatch.setattr(chunked, "_fused_row_loss_grad", None)
     x, weight, targets = head_inputs(200, 300)
     model = torch.nn.Linear(16, 16)
 
@@ -190,6 +205,7 @@ def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile():
     torch._dynamo.reset()
     got = torch.compile(step, backend="inductor", fullgraph=False)(x, weight, targets)
     assert type(got.grad_fn).__name__ == "HeadLossBackward"  # its own autograd node, not inductor's
+    assert chunked._fused_row_loss_grad is not None  # and each chunk's arithmetic went through inductor
     expected = reference.head_loss(torch.relu(model(x)), weight, targets, softcap=15.0)
     torch.testing.assert_close(got, expected)
     for g, e in zip(torch.autograd.grad(got, (x, weight)), torch.autograd.grad(expected, (x, weight))):
