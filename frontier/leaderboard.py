@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 from frontier.cli import command
 from frontier.config import ConfigError, TrackingConfig, error_line, key_hint
 from frontier.paths import sqlite_path
-from frontier.tracking import RUN_KIND_TAG, probe_server, tracking_uri
+from frontier.tracking import RUN_KIND_TAG, probe_store, tracking_uri
 
 # Bookkeeping, not knobs: always differs between runs and says nothing about the result.
 IGNORED_PREFIXES = ("tracking.", "trial.")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
               "first, or name the store the runs went to)", file=sys.stderr)
         return 2
     try:
-        probe_server(SimpleNamespace(uri=uri))
+        probe_store(SimpleNamespace(uri=uri))
         client = MlflowClient(uri)
         experiment = client.get_experiment_by_name(args.experiment)
     except ConfigError as err:

@@ -109,12 +109,20 @@ def tracking_uri(tracking_cfg) -> str:
     return paths.store_under_home(uri) if uri.startswith("sqlite:///") else paths.database_url(uri)
 
 
-def probe_server(tracking_cfg) -> None:
-    """An HTTP tracking server must answer before anything is written (a database store is opened,
-    and created if need be, when the run starts)."""
+def probe_store(tracking_cfg) -> None:
+    """The tracking store must answer before anything is written: an HTTP server or a database server
+    is asked once (MLflow's own client would retry each for minutes) and any other URI but SQLite is
+    opened (a SQLite file is created when the run starts: check_store_folder)."""
     uri = tracking_uri(tracking_cfg)
     if _is_http(uri):
         _probe(uri)
+    elif _is_database(uri):
+        _probe_database(uri)
+    elif not uri.startswith("sqlite:"):
+        try:
+            MlflowClient(uri)  # an unknown scheme or a retired store fails here, at once
+        except Exception as err:
+            raise ConfigError(f"tracking.uri={uri} could not be opened ({error_line(err)})") from None
 
 
 def check_store_folder(tracking_cfg) -> None:
@@ -145,6 +153,8 @@ def ensure_store(uri: str) -> None:
     if _is_http(uri):
         _probe(uri)
         return
+    if _is_database(uri):
+        _probe_database(uri)
     try:
         with _store_lock(uri):
             _retry(MlflowClient(uri).search_experiments, max_results=1)
@@ -752,6 +762,10 @@ def _is_http(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
+def _is_database(uri: str) -> bool:
+    return uri.partition("://")[0].partition("+")[0] in ("postgresql", "mysql", "mssql")
+
+
 def _probe(uri: str) -> None:
     """Any HTTP answer means the server is there; MLflow's own client would retry for minutes."""
     try:
@@ -759,8 +773,22 @@ def _probe(uri: str) -> None:
     except requests.exceptions.SSLError:
         return  # something answers; TLS settings are MLflow's business (MLFLOW_TRACKING_INSECURE_TLS, ...)
     except requests.RequestException as err:
-        raise ConfigError(f"tracking.uri={uri} is unreachable ({type(err).__name__}); start the server, "
-                          f"correct the URI, or set tracking.required=false to train without tracking") from None
+        raise ConfigError(f"tracking.uri={uri} is unreachable ({type(err).__name__}); start the server "
+                          "or correct the URI") from None
+
+
+def _probe_database(uri: str) -> None:
+    """One connection to a database store: MLflow's SQL store retries its first one for two minutes."""
+    timeout = {"connect_timeout": int(PROBE_SECONDS)} if not uri.startswith("mssql") else {}
+    engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout)
+    try:
+        with engine.connect():
+            pass
+    except Exception as err:
+        raise ConfigError(f"tracking.uri={uri} could not be opened ({store_error_line(err)}); start the "
+                          "database server or correct the URI") from None
+    finally:
+        engine.dispose()
 
 
 def _clip_tags(tags: dict[str, str]) -> dict[str, str]:

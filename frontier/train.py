@@ -65,10 +65,13 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
     check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     # a sweep's driver opens its store whatever tracking.required says, after its study is created
     if cfg.tracking.enabled and (cfg.tracking.required or cfg.get("sweep") is not None):
-        from frontier.tracking import check_store_folder, probe_server
+        from frontier.tracking import check_store_folder, probe_store
 
         tracking = OmegaConf.to_object(cfg.tracking)
-        probe_server(tracking)
+        try:
+            probe_store(tracking)
+        except ConfigError as err:
+            raise ConfigError(f"{err}; or set tracking.required=false to train without tracking") from None
         check_store_folder(tracking)
 
 

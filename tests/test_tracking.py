@@ -381,18 +381,25 @@ def test_sigterm_ends_killed(tmp_path, store):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "KILLED"
 
 
-def test_unreachable_server_stops_before_training(tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+@pytest.mark.parametrize("store, reason", [
+    ("http://127.0.0.1:{port}", "is unreachable (ConnectionError); start the server or correct the URI"),
+    # MLflow's SQL store retried this for two minutes, after Hydra had written the run directory
+    ("postgresql://postgres@127.0.0.1:{port}/x", "could not be opened (psycopg2.OperationalError: connection to"),
+    ("foo://bar", "could not be opened (UnsupportedModelRegistryStoreURIException"),
+])
+def test_a_store_that_cannot_be_opened_stops_the_run_before_anything_is_written(tmp_path, store, reason):
+    url = store.format(port=free_port())  # nothing listens there
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, f"tracking.uri={url}",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"tracking.uri={url} is unreachable" in errors[0]
-    assert time.time() - started < 60  # found before any data is read, not after minutes of retries
     assert "Traceback" not in done.stderr
-    assert not (tmp_path / "run" / "summary.json").exists()
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and reason in errors[0], errors
+    assert errors[0].endswith("; or set tracking.required=false to train without tracking")
+    assert time.time() - started < 60  # found before any data is read, not after minutes of retries
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_sink_that_cannot_be_built_leaves_no_mlflow_run_running(wiki, tmp_path):
