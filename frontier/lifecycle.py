@@ -263,10 +263,24 @@ def for_run(run) -> list:
             with contextlib.suppress(OSError):  # a directory that cannot be written fails the run's own writes
                 (run.run_dir / "summary.json").unlink(missing_ok=True)
     except BaseException as err:
-        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
-        notify(found[1:], "on_end", {**run.summary, "status": status}, status, f"not started: {error_line(err)}")
+        status, error = not_started(err)
+        notify(found[1:], "on_end", {**run.summary, "status": status}, status, error)
         raise
     return found
+
+
+def not_started(err: BaseException) -> tuple[str, str]:
+    """The status and error of a launch that a signal or a failure stopped before its first step."""
+    return "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"not started: {error_line(err)}"
+
+
+def record_not_started(run_dir: Path, summary: dict, err: BaseException) -> None:
+    """summary.json of a new run that ended before its sinks were all built (a signal, a store that
+    failed): the run directory says how it ended, as for every other end. Best effort: the error
+    that stopped it is what the caller reports."""
+    status, error = not_started(err)
+    with contextlib.suppress(RunWriteError):
+        write_json(Path(run_dir) / "summary.json", {**summary, "status": status, "error": error})
 
 
 class Lifecycle:

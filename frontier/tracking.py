@@ -609,7 +609,7 @@ def _start_run(cfg, run) -> tuple[MlflowClient, str, str]:
         else:
             run_id = _create_run(client, uri, cfg, run, opened)
     except BaseException as err:  # a signal, or the store failing half-way
-        _end_broken_start(client, run, opened, err)
+        _end_broken_start(client, uri, run, opened, err)
         if isinstance(err, ConfigError) or not isinstance(err, Exception):
             raise
         raise ConfigError(f"tracking.uri={uri} could not start an MLflow run ({store_error_line(err)})") from None
@@ -643,14 +643,17 @@ def _create_run(client: MlflowClient, uri: str, cfg, run, opened: dict[str, str]
     return run_id
 
 
-def _end_broken_start(client: MlflowClient, run, opened: dict[str, str], err: BaseException) -> None:
-    """Ends the run a start that broke off had created or reopened, so that none is left RUNNING.
-    A signal inside `create_run` leaves no id: the run is then found by its run_dir tag."""
+def _end_broken_start(client: MlflowClient, uri: str, run, opened: dict[str, str], err: BaseException) -> None:
+    """Ends the run a start that broke off had created or reopened, so that none is left RUNNING, and
+    records a new one in tracking.json, where `sync` finds it rather than making a twin. A signal
+    inside `create_run` leaves no id: the run is then found by its run_dir tag."""
     status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
     run_dir = str(Path(run.run_dir).resolve())
     try:
         for run_id in _made_by_broken_start(client, opened.get("run_id"), opened.get("experiment_id"), run_dir):
             _set_status(client, run_id, status, f"not started: {store_error_line(err)}", _now_ms())
+            if "resume_step" not in run.summary:  # a resumed run's record already names it
+                write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=status)
     except Exception:  # the store is what failed: the run's own files hold what there is
         pass
 

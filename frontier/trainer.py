@@ -435,12 +435,15 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         display = RunDisplay(enabled=False, quiet=True)
     else:
         display = display or RunDisplay(enabled=sys.stderr.isatty())
-    run, status, error, trained, owner = None, "FAILED", None, False, None
+    run, status, error, trained, owner, owned = None, "FAILED", None, False, None, False
     try:
         if plan.world.is_main:  # rank 0 writes the run directory, so it owns it
             owner = lifecycle.own(run_dir, "resume" if state is not None else "hydra.run.dir")
+            owned = True
         life = Lifecycle(RunInfo(plan.config, raw, run_dir, summary), plan.world.is_main)
-    except BaseException:
+    except BaseException as err:
+        if owned and state is None:  # a new run stopped or refused while its sinks were built still ends recorded
+            lifecycle.record_not_started(run_dir, summary, err)
         lifecycle.disown(owner)
         plan.world.close()
         raise

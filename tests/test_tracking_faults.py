@@ -477,6 +477,14 @@ def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, templa
     [run] = runs_of(MlflowClient(uri), run_dir)
     assert run.info.status == "KILLED", moment
     assert run.data.tags["error"] == "not started: KeyboardInterrupt: interrupted by SIGTERM"
+    # the run directory says so too (it had no summary.json), and sync finds the same run, no twin
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["error"]) == ("KILLED", run.data.tags["error"])
+    synced = subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir)], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert synced.returncode == 0, synced.stderr
+    [again] = runs_of(MlflowClient(uri), run_dir)
+    assert (again.info.run_id, again.info.status) == (run.info.run_id, "KILLED")
 
 
 @pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
