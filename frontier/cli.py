@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import math
 import os
 import re
 import signal
@@ -42,6 +43,7 @@ import frontier
 from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+GRID_LIMIT = 10_000  # runs in one --multirun grid: each is a budgeted training run
 
 
 def command(entry: Callable) -> Callable:
@@ -438,6 +440,12 @@ def grid(master: DictConfig, overrides: list[Override]) -> list[list[Override]]:
         if override.is_sweep_override() and not override.is_discrete_sweep():
             raise ConfigError(f"{override.input_line} is not allowed: a --multirun grid takes lists of values "
                               "(a,b or range(...)); interval() needs an Optuna search (sweep=NAME)")
+    sizes = {o.input_line: sum(1 for _ in o.sweep_string_iterator()) for o in task_overrides if o.is_sweep_override()}
+    if math.prod(sizes.values()) > GRID_LIMIT:  # a mistyped range(), not a plan: expanding it alone would hang
+        widest = max(sizes, key=sizes.get)
+        raise ConfigError(f"{widest} is not allowed: the --multirun grid would launch {math.prod(sizes.values()):,} "
+                          f"runs, more than {GRID_LIMIT:,}; narrow it, or search the space with an Optuna sweep "
+                          "(sweep=NAME, sweep.n_trials=N)")
     batches = BasicSweeper.split_arguments(task_overrides, None)
     return [[parse_override(line) for line in point] for batch in batches for point in batch]
 

@@ -392,6 +392,8 @@ class SweepConfig:
             anchors = getattr(self, key)
             _require(len(anchors) == 2 and anchors[0] != anchors[1], f"sweep.{key}", anchors,
                      "two different values, [worst, best]")
+        _require(self.study_name is None or self.study_name.strip() != "", "sweep.study_name", self.study_name,
+                 "name a study, or leave it null for the preset's name")
         _require(self.n_trials is None or self.n_trials >= 1, "sweep.n_trials", self.n_trials,
                  "a positive integer or null")
         _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,

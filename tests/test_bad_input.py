@@ -131,10 +131,13 @@ BAD = [
                                                            "--multirun grid takes lists of values"),
     (["--multirun", "model.depth=2,3", "model.n_head=3"], "model.d_model=128 is not allowed: must be divisible"),
     (["--multirun", "hydra.run.dir=a,b"], "hydra.run.dir=a,b is not allowed: "),
+    (["--multirun", "seed=1,2", "model.depth=range(1,1000000)"], "model.depth=range(1,1000000) is not allowed: the "
+                                                                 "--multirun grid would launch 1,999,998 runs, more"),
     # --multirun sweep=NAME: the search's settings
     (["--multirun", "sweep=nope"], "sweep=nope is not allowed: sweep has no such option; choose one of arch"),
     (["--multirun", "sweep=lr", "sweep.sampler=foo"], "sweep.sampler='foo' is not allowed: choose one of tpe"),
     (["--multirun", "sweep=lr", "sweep.n_trials=0"], "sweep.n_trials=0 is not allowed: a positive integer or null"),
+    (["--multirun", "sweep=lr", "sweep.study_name="], "sweep.study_name='' is not allowed: name a study, or leave it"),
     (["--multirun", "sweep=lr", "sweep.seed=-1"], "sweep.seed=-1 is not allowed: an integer in 0 ... 4294967295"),
     (["--multirun", "sweep=lr", "sweep.n_jobs=abc"], "sweep.n_jobs=abc is not allowed: must be an integer"),
     (["--multirun", "sweep=lr", "+sweep.foo=1"], "sweep.foo=1 is not allowed: sweep has no key 'foo'"),
