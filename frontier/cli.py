@@ -181,6 +181,24 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
         raise ConfigError(f"{' and '.join(commands)} are not allowed together: give one of them")
     if args.resolve and not (args.cfg or args.help):
         raise ConfigError("--resolve is not allowed alone: it goes with --cfg or --help")
+    if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
+        raise ConfigError(f"--experimental-rerun={args.experimental_rerun} is not allowed: it is not a file (give "
+                          "the config.pickle of an earlier run's .hydra folder)")
+    if args.shell_completion and not any(arg.partition("=")[0] in ("install", "uninstall", "query")
+                                         for arg in args.overrides):
+        raise ConfigError("--shell-completion is not allowed alone: add install=SHELL, uninstall=SHELL or "
+                          "query=SHELL (e.g. install=bash)")
+    if args.cfg and args.package not in (None, "_global_"):
+        with composer(task, args.config_path or config_path, args.config_name or config_name, args.config_dir) as app:
+            cfg = app.compose([parse_override(arg) for arg in args.overrides], RunMode.RUN)
+        top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
+        shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
+        try:
+            found = OmegaConf.select(cfg, args.package) is not None
+        except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
+            found = True
+        if not shown or not found:
+            raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
         return  # they only show things; Hydra's errors there still become one sentence
     overrides = [parse_override(arg) for arg in args.overrides]

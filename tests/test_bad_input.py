@@ -63,6 +63,11 @@ BAD = [
     (["model.depth=3)"], "'model.depth=3)' is not allowed: it is not an override Hydra can read"),
     (["--no-such-flag"], "--no-such-flag is not allowed: not an option of this command"),
     (["--multirun", "--cfg", "job"], "--multirun and --cfg are not allowed together"),
+    # Hydra's own flags: it printed a traceback or its own line with exit code 1
+    (["--cfg", "job", "--package=nope"], "--package=nope is not allowed: the job config has no such key"),
+    (["--experimental-rerun=/nonexistent.pickle"], "--experimental-rerun=/nonexistent.pickle is not allowed: it is "
+                                                   "not a file"),
+    (["--shell-completion"], "--shell-completion is not allowed alone: add install=SHELL"),
     (["--resolve"], "--resolve is not allowed alone: it goes with --cfg or --help"),
     # a sweep without --multirun
     (["model=tiny,base"], "model=tiny,base is not allowed: a comma list or sweep function sweeps over values, "
