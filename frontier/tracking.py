@@ -69,6 +69,7 @@ METRICS_PER_BATCH = 1000
 
 PROBE_SECONDS = 5.0  # how long the start-up check waits for an HTTP tracking server
 LOCKED_RETRIES = 12  # "database is locked" retries, with backoff, about 30 s in all
+IN_FLIGHT_SECONDS = 1.0  # after flush_seconds, how long on_end waits for the call in flight to land
 MAX_BACKOFF_SECONDS = 8.0  # the logging thread's longest pause between tries while the store is down
 ACK_FILE = "tracking.json"
 # Errors with which a store refuses a call (retrying cannot help), as opposed to not answering it.
@@ -272,6 +273,7 @@ class MlflowObserver:
         self._exit_deadline: float | None = None
         self._down = False  # the store stopped answering (and we said so)
         self._refused = False  # the store refused a call (and we said so)
+        self._skipped = False  # a call was dropped because on_end stopped waiting
         self._thread = None
         if client is not None:
             # Not a daemon: what is queued is sent before the process exits (within flush_seconds).
@@ -318,15 +320,18 @@ class MlflowObserver:
         for fn, *args in _end_calls(self.client, self.run_id, self.run_dir, summary,
                                     final_record(summary, status), self.log_checkpoint):
             self._submit(fn, *args)
-        self._submit(self._acknowledged, status)
         self._queue.put(None)  # the thread stops after this
         self._thread.join(self.flush_seconds)
         if self._thread.is_alive():
-            self._give_up.set()
+            self._give_up.set()  # the call in flight may still land; what waits behind it is skipped
+            self._thread.join(IN_FLIGHT_SECONDS)
+        if self._thread.is_alive() or self._skipped:
             if not self._down:  # the warning of an outage already named the sync command
                 _warn(f"{self.uri} has not taken all of run {self.run_id} within tracking.flush_seconds="
                       f"{self.flush_seconds:g}; push the rest later with "
                       f"`python -m frontier.tracking sync {self.run_dir}`")
+            return
+        self._acknowledged(status)  # only once the store has taken every call: sync trusts this record
 
     # -- the logging thread
 
@@ -345,7 +350,8 @@ class MlflowObserver:
             if item is None:
                 return
             fn, args, kwargs = item
-            self._call(fn, *args, **kwargs)
+            if not self._call(fn, *args, **kwargs) and self._give_up.is_set():
+                self._skipped = True
 
     def _call(self, fn: Callable, *args, **kwargs) -> bool:
         """fn(...) until the store takes it; False when the store refused it or we gave up."""

@@ -439,6 +439,34 @@ def test_unreachable_server_not_required_runs_locally(tmp_path, capfd):
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
+def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut_short_is_not(
+        tmp_path, store, monkeypatch, capfd):
+    """A store slow to take the run's end after an outage: the call in flight when tracking.flush_seconds
+    runs out still lands, and tracking.json says so with no warning; what waited behind it is dropped,
+    said once, and tracking.json names no terminal status, so `sync` sends it."""
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("slow")).info.run_id
+    landed = []
+
+    def slow(name):  # longer than flush_seconds below
+        time.sleep(1.0)
+        landed.append(name)
+
+    for calls, acked in (([(slow, "end")], "FINISHED"), ([(slow, "end"), (slow, "status")], None)):
+        run_dir = tmp_path / str(len(calls))
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("")
+        monkeypatch.setattr(tracking, "_end_calls", lambda *args, calls=calls: calls)
+        landed.clear()
+        observer = tracking.MlflowObserver(client, store, run_id, run_dir,
+                                           SimpleNamespace(log_checkpoint=False, flush_seconds=0.5))
+        observer.on_end({"steps": 3}, "FINISHED", None)
+        assert landed == ["end"]
+        assert tracking.read_ack(run_dir).get("terminal_status") == acked
+        warned = [line for line in capfd.readouterr().err.splitlines() if "has not taken all" in line]
+        assert len(warned) == (acked is None), warned
+
+
 def test_store_failing_mid_run_then_sync(tmp_path, store, monkeypatch, capfd):
     original = MlflowClient.log_batch
 
