@@ -459,9 +459,10 @@ def grid(master: DictConfig, overrides: list[Override]) -> list[list[Override]]:
             raise ConfigError(f"{override.input_line} is not allowed: a --multirun grid takes lists of values "
                               "(a,b or range(...)); interval() needs an Optuna search (sweep=NAME)")
     sizes = {o.input_line: sum(1 for _ in o.sweep_string_iterator()) for o in task_overrides if o.is_sweep_override()}
-    if math.prod(sizes.values()) > GRID_LIMIT:  # a mistyped range(), not a plan: expanding it alone would hang
+    runs = math.prod(sizes.values())
+    if runs > GRID_LIMIT:  # a mistyped range(), not a plan: expanding it alone would hang
         widest = max(sizes, key=sizes.get)
-        raise ConfigError(f"{widest} is not allowed: the --multirun grid would launch {math.prod(sizes.values()):,} "
+        raise ConfigError(f"{widest} is not allowed: the --multirun grid would launch {runs:,} "
                           f"runs, more than {GRID_LIMIT:,}; narrow it, or search the space with an Optuna sweep "
                           "(sweep=NAME, sweep.n_trials=N)")
     batches = BasicSweeper.split_arguments(task_overrides, None)

@@ -653,7 +653,7 @@ def _end_broken_start(client: MlflowClient, uri: str, run, opened: dict[str, str
     """Ends the run a start that broke off had created or reopened, so that none is left RUNNING, and
     records a new one in tracking.json, where `sync` finds it rather than making a twin. A signal
     inside `create_run` leaves no id: the run is then found by its run_dir tag."""
-    status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+    status, _ = lifecycle.not_started(err)  # the error names the store's own failure (store_error_line)
     run_dir = str(Path(run.run_dir).resolve())
     try:
         for run_id in _made_by_broken_start(client, opened.get("run_id"), opened.get("experiment_id"), run_dir):
