@@ -283,6 +283,23 @@ def record_not_started(run_dir: Path, summary: dict, err: BaseException) -> None
         write_json(Path(run_dir) / "summary.json", {**summary, "status": status, "error": error})
 
 
+def record_stopped_in_prepare(run_dir: Path, err: BaseException) -> None:
+    """summary.json of a new run that a signal stopped before it owned its directory (`prepare`),
+    written as `record_not_started` does, only where no process runs a run and none has recorded one
+    there, and by rank 0 alone."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        fd = _try_lock(run_dir, create=True)
+    except (OSError, Unlockable):  # no directory yet, or one that cannot be written or locked
+        return
+    try:
+        if fd is not None and not (Path(run_dir) / "summary.json").exists():
+            record_not_started(run_dir, {}, err)
+    finally:
+        disown(fd)
+
+
 class Lifecycle:
     """A run's state and its sinks (on rank 0 only; other ranks have none and write nothing)."""
 

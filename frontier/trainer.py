@@ -425,7 +425,12 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
     state = None
     if raw.get("resume"):
         raw, run_dir, state = resume_point(raw.resume, raw.tracking)
-    plan = prepare(raw, run_dir)
+    try:
+        plan = prepare(raw, run_dir)
+    except KeyboardInterrupt as err:
+        if state is None:  # a new run stopped before it owned its directory still ends recorded
+            lifecycle.record_stopped_in_prepare(run_dir, err)
+        raise
     summary: dict = {}
     if state is not None:
         summary.update(state["summary"])

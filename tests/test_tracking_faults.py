@@ -487,6 +487,56 @@ def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, templa
     assert (again.info.run_id, again.info.status) == (run.info.run_id, "KILLED")
 
 
+SIGNAL_IN_INIT_WORLD = """
+import importlib.abc, importlib.machinery, os, signal, sys, time
+
+class SignalInInitWorld(importlib.abc.MetaPathFinder):  # SIGTERM inside frontier.distributed.init_world
+    def find_spec(self, name, path=None, target=None):
+        if name != "frontier.distributed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            real = module.init_world
+
+            def init_world(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs in here
+                return real(*args, **kwargs)
+
+            module.init_world = init_world
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, SignalInInitWorld())
+"""
+
+
+def test_sigterm_before_a_new_run_owns_its_directory_still_ends_it_recorded(tmp_path, template_db):
+    """A signal in the trainer's checks, before its sinks exist, leaves summary.json (no MLflow run yet);
+    sync then records that run once, KILLED, and a second sync adds nothing."""
+    uri = store_in(tmp_path, template_db)
+    run_dir = tmp_path / "run"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SIGNAL_IN_INIT_WORLD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(PROJECT_ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "frontier.train", *RUN, "budget.max_steps=2", f"tracking.uri={uri}",
+                           f"hydra.run.dir={run_dir}"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {"status": "KILLED", "error": "not started: KeyboardInterrupt: interrupted by SIGTERM"}
+    assert runs_of(MlflowClient(uri), run_dir) == []
+    for _ in range(2):
+        assert sync(run_dir, f"tracking.uri={uri}").returncode == 0
+        [run] = runs_of(MlflowClient(uri), run_dir)
+        assert (run.info.status, run.data.tags["error"]) == ("KILLED", summary["error"])
+
+
 @pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
 def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and_no_twin(tmp_path, template_db,
                                                                                           moment):
