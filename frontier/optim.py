@@ -97,7 +97,7 @@ def newton_schulz_dtype(setting: str, device_kind: str) -> torch.dtype:
 def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
                      device_kind: str, rank: int = 0, world_size: int = 1) -> list[torch.optim.Optimizer]:
     """One optimizer per algorithm; every param group remembers its base LR for the schedule."""
-    adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=device_kind == "cuda")
+    adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=device_kind in ("cuda", "cpu"))
     adam_groups = [
         dict(params=groups["embedding"], lr=cfg.embedding_lr, weight_decay=0.0),
         dict(params=groups["unembedding"], lr=cfg.unembedding_lr, weight_decay=0.0),

@@ -27,6 +27,11 @@ IGNORE = -1
 CHUNK_ELEMENTS = 1 << 22
 
 
+# Below this soft-cap every capped logit is within 2 * softcap of softcap, so exp(logit - softcap) >=
+# exp(-80) stays a normal fp32 number and no row maximum is needed; above it the row maximum is taken.
+EXP_SAFE_SOFTCAP = 40.0
+
+
 def chunk_rows_for(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
@@ -65,24 +70,32 @@ def torch_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Ten
     made in `work` (a buffer of z's shape) or, without one, in a new tensor.
 
     The chunk is memory-bound, so this makes as few passes over it as it can: one buffer of
-    exponentials becomes the gradient in place, normalised in the same pass that scales it."""
-    if softcap is not None:
-        t = capped_(z, softcap)  # logits = softcap * t
-        top = t.amax(dim=-1)
-        probs = torch.sub(t, top.unsqueeze(1), out=work).mul_(softcap).exp_()  # exp(logit - max logit)
-        top = top * softcap
-    else:
-        t, top = None, z.amax(dim=-1)
-        probs = torch.sub(z, top.unsqueeze(1), out=work).exp_()
-    total = probs.sum(dim=-1)
-    lse = top + total.log()
+    exponentials becomes the gradient in place, normalised in the same pass that scales it. With a
+    soft-cap it works on s = sigmoid(2z / softcap), where the capped logit is softcap * (2s - 1) and
+    its derivative 1 - tanh^2 = 4s(1 - s)."""
     index = targets.clamp(min=0).unsqueeze(1)
-    picked = (t if t is not None else z).gather(1, index).squeeze(1) * (softcap or 1.0)
+    if softcap is not None:
+        s = z.mul_(2 / softcap).sigmoid_()
+        # exp(logit - top) = exp(2 softcap (s - s_top)); top is the cap itself where that cannot underflow
+        if softcap <= EXP_SAFE_SOFTCAP:
+            s_top, top = 1.0, softcap
+        else:
+            s_top = s.amax(dim=-1, keepdim=True)
+            top = softcap * (2 * s_top.squeeze(1) - 1)
+        probs = torch.sub(s, s_top, out=work).mul_(2 * softcap).exp_()
+        picked = (2 * s.gather(1, index).squeeze(1) - 1) * softcap
+        scale = 4 * scale  # the cap's derivative, 4s(1 - s), with its 4 taken here
+    else:
+        top = z.amax(dim=-1)
+        probs = torch.sub(z, top.unsqueeze(1), out=work).exp_()
+        picked = z.gather(1, index).squeeze(1)
+    total = probs.sum(dim=-1)
+    lse = total.log() + top
     loss = torch.where(targets != IGNORE, lse - picked, torch.zeros_like(lse))
     grad = probs.mul_((scale / total).unsqueeze(1))  # softmax * scale
     grad.scatter_add_(1, index, -scale.unsqueeze(1))  # - onehot * scale (an ignored row has scale 0)
-    if t is not None:
-        grad.addcmul_(grad, t.square_(), value=-1)  # through the cap: * (1 - tanh^2)
+    if softcap is not None:
+        grad.mul_(s.addcmul_(s, s, value=-1))  # through the cap: * s(1 - s)
     return loss, lse, grad
 
 
@@ -91,10 +104,12 @@ def fusable_row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.T
     """torch_row_loss_grad in plain ops for torch.compile, which fuses them into two passes over the
     chunk (the cap and its exponentials with their row sums, then the gradient, written into z) where
     eager PyTorch makes a dozen. Capped logits lie within +-softcap, so exp(logit - softcap) cannot
-    overflow and no row maximum is needed. Returns (loss, lse); the gradient is left in z."""
+    overflow and no row maximum is needed (below EXP_SAFE_SOFTCAP). Returns (loss, lse); the gradient is
+    left in z."""
     if softcap is not None:
         t = 2 * torch.sigmoid(z * (2 / softcap)) - 1  # tanh(z / softcap), as capped_ computes it
-        logits, top = t * softcap, torch.full_like(z[:, :1], softcap)
+        logits = t * softcap
+        top = torch.full_like(z[:, :1], softcap) if softcap <= EXP_SAFE_SOFTCAP else logits.amax(dim=-1, keepdim=True)
     else:
         t, logits, top = None, z, z.amax(dim=-1, keepdim=True)
     probs = torch.exp(logits - top)

@@ -8,7 +8,31 @@ from torch.autograd.function import once_differentiable
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without learnable parameters."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return _RMSNorm.apply(x)
     return F.rms_norm(x, (x.size(-1),))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """F.rms_norm (eps = the dtype's epsilon) in two passes each way on a CPU, where ATen composes it
+    of a dozen: the sums of squares and of g * y are reductions that allocate nothing. Within
+    rounding of F.rms_norm (a few ulps: the sums are taken in another order)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        square_mean = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1))
+        rstd = square_mean.add_(torch.finfo(x.dtype).eps).rsqrt_()
+        y = x * rstd
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        # dx = rstd * (g - y * mean(g * y)): y = x * rstd is scale-free along the last dimension
+        y, rstd = ctx.saved_tensors
+        mean_gy = torch.linalg.vecdot(grad, y).unsqueeze(-1).div_(-y.size(-1))
+        return torch.addcmul(grad, y, mean_gy).mul_(rstd)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +80,37 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding; x is (B, H, T, D), cos/sin are (T, D/2)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if torch.compiler.is_compiling():  # inductor fuses the plain definition
+        half = x.size(-1) // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    return _Rotary.apply(x, cos, sin)
+
+
+class _Rotary(torch.autograd.Function):
+    """The rotation written straight into one output each way, where autograd's eager version
+    allocates a tensor per product and sum and a cat: its backward is the inverse rotation."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin, value=-1)
+    return out
 
 
 def sliding_window_mask(T: int, window: int, device: torch.device | None = None) -> torch.Tensor:

@@ -29,6 +29,7 @@ HEAD_CASES = [  # rows, vocab, softcap, reduction: chunks of 64 rows leave a rag
     (129, 257, 2.0, "sum"),
     (129, 100, 2.0, "mean"),  # rows narrower than a Triton block: several to a program
     (300, 1000, 3.0, "none"),
+    (129, 257, 100.0, "mean"),  # a cap above EXP_SAFE_SOFTCAP: the row maximum is taken
 ]
 
 
@@ -152,6 +153,36 @@ def test_relu2_with_its_in_place_backward_is_bit_identical_to_autograd(dtype):
         out.backward(grad)  # its saved tensor was spent: a second backward is refused, not wrong
 
 
+# -- rmsnorm and rotary: the reference's own backwards on a CPU ------------------------------------------
+
+@pytest.mark.parametrize("shape", [(4, 33, 96), (2, 3, 17, 64)])
+def test_rms_norm_with_its_own_backward_matches_f_rms_norm(shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    x[0, 0] = 0  # a zero row: only eps keeps it finite
+    x.requires_grad_()
+    assert type(reference.rms_norm(x).grad_fn).__name__ == "_RMSNormBackward"
+    assert_matches(reference.rms_norm, lambda t: F.rms_norm(t, (t.size(-1),)), x, atol=1e-6, rtol=1e-5)
+    wide = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(reference._RMSNorm.apply, (wide,))
+
+
+def test_rotary_with_its_own_backward_matches_the_plain_definition():
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 3, 64).transpose(1, 2).requires_grad_()  # (B, H, T, D) as a view, like the model's q
+    angles = torch.outer(torch.arange(17.0), 10000 ** -(torch.arange(0, 64, 2) / 64))
+    cos, sin = angles.cos(), angles.sin()
+
+    def plain(x, cos, sin):
+        x1, x2 = x[..., :32], x[..., 32:]
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+    assert type(reference.apply_rotary(x, cos, sin).grad_fn).__name__ == "_RotaryBackward"
+    assert_matches(reference.apply_rotary, plain, x, cos, sin, atol=1e-6, rtol=1e-5)
+    wide = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(reference._Rotary.apply, (wide, cos[:5, :4].double(), sin[:5, :4].double()))
+
+
 # -- head_loss: the chunked reference path ----------------------------------------------------------
 
 @pytest.mark.parametrize("rows, vocab, softcap, reduction", HEAD_CASES)
@@ -192,6 +223,24 @@ def test_the_compiled_chunk_arithmetic_matches_the_eager_one(softcap):
     for g, e in zip(got, expected):  # loss, log-sum-exp and the gradient
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
     assert got[0][3] == 0 and got[2][40].abs().max() == 0  # ignored rows neither lose nor learn
+
+
+@pytest.mark.parametrize("softcap", [15.0, 100.0])
+def test_a_row_far_below_a_large_cap_keeps_a_finite_loss_and_gradient(softcap):
+    """exp(logit - softcap) underflows to 0 for a whole row whose capped logits all lie ~90 below the cap:
+    above EXP_SAFE_SOFTCAP the row maximum is taken instead, eager and compiled."""
+    torch.manual_seed(0)
+    z = torch.randn(8, 300) - 2 * softcap  # capped: about -0.96 softcap, 1.96 softcap below the cap
+    targets = torch.randint(0, 300, (8,))
+    scale = torch.full((8,), 1 / 8)
+    logits = (softcap * torch.tanh(z.double() / softcap)).requires_grad_()
+    loss = F.cross_entropy(logits, targets, reduction="none")
+    (grad,) = torch.autograd.grad(loss.sum() / 8, logits)
+    expected = grad * (1 - torch.tanh(z.double() / softcap) ** 2)
+    for row_loss_grad in (chunked.torch_row_loss_grad, chunked.compiled_row_loss_grad):
+        got_loss, _, got_grad = row_loss_grad(z.clone(), targets, scale, softcap, None)
+        torch.testing.assert_close(got_loss.double(), loss.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grad.double(), expected, rtol=1e-4, atol=1e-7)
 
 
 def test_on_a_cpu_the_chunked_head_loss_stays_eager_inside_torch_compile(monkeypatch):

@@ -90,6 +90,27 @@ def test_adamw_preset_uses_adamw_for_everything():
     assert sum(len(g["params"]) for g in adam.param_groups) == len(list(model.parameters()))
 
 
+def test_adamw_is_fused_on_a_cpu_and_steps_like_the_unfused_one():
+    """Fused AdamW makes one pass per tensor where the for-loop makes several (d4: 30 -> 9 ms a step)."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(depth=2, d_model=32, n_head=2, seq_len=8, layer_scalars=True), vocab_size=50)
+    twin = GPT(ModelConfig(depth=2, d_model=32, n_head=2, seq_len=8, layer_scalars=True), vocab_size=50)
+    twin.load_state_dict(model.state_dict())
+    fused = build_optimizers(model.param_groups(), OptimConfig(name="adamw"), "cpu")
+    plain = build_optimizers(twin.param_groups(), OptimConfig(name="adamw"), "neuron")  # XLA has no fused AdamW
+    assert fused[0].defaults["fused"] and not plain[0].defaults["fused"]
+    idx = torch.randint(0, 50, (2, 8))
+    for _ in range(3):
+        for m, opts in ((model, fused), (twin, plain)):
+            for opt in opts:
+                opt.zero_grad()
+            m(idx, idx.roll(-1, 1)).backward()
+            for opt in opts:
+                opt.step()
+    for (key, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=key)
+
+
 def test_muon_step_lowers_a_loss():
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(16, 16))
