@@ -37,7 +37,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf.errors import InterpolationKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 import frontier
 from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
@@ -490,6 +490,10 @@ def check_no_live_run(cfg: DictConfig, key: str) -> None:
 def selected_path(cfg: DictConfig, key: str) -> Optional[Path]:
     try:
         return Path(str(OmegaConf.select(cfg, key)))
+    except InterpolationKeyError as err:  # a key that no config has: the job would stop on it too
+        parent, _, leaf = key.rpartition(".")
+        raw = OmegaConf.select(cfg, parent)._get_node(leaf)._value()
+        raise ConfigError(f"{key}={raw} is not allowed: {error_line(err, named=False)}") from None
     except Exception:  # it depends on values known only when the job starts
         return None
 

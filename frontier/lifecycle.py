@@ -118,13 +118,16 @@ def closing() -> None:
 
 @contextlib.contextmanager
 def signals_handled() -> Iterator[None]:
-    """SIGTERM and SIGINT go through `_on_signal` for the duration of one train() call."""
+    """SIGTERM and SIGINT go through `_on_signal` for the duration of one train() call, each unless it
+    is ignored: a shell starts a background job (`cmd &` in a script) with SIGINT ignored, so that a
+    Ctrl-C meant for the foreground does not reach it, and it stays so for the whole run."""
     _reset()
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may install handlers; request_stop still works
         return
     global _handling
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     _handling = True
     try:
         yield

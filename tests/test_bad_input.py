@@ -109,6 +109,9 @@ BAD = [
     (["hydra.run.dir="], "hydra.run.dir='' is not allowed: set it to a directory for Hydra's outputs"),
     (["--multirun", "hydra.sweep.dir="], "hydra.sweep.dir='' is not allowed: set it to a directory for Hydra's "
                                          "outputs"),
+    (["hydra.run.dir=${nope}"], "hydra.run.dir=${nope} is not allowed: Interpolation key 'nope' not found"),
+    (["--multirun", "hydra.sweep.dir=out/${nope.x}"], "hydra.sweep.dir=out/${nope.x} is not allowed: Interpolation "
+                                                      "key 'nope.x' not found"),
     (["data.tokenizer_path=README.md"], "data.tokenizer_path='README.md' is not allowed: README.md is not a "
                                         "tokenizer.json the tokenizers library can read"),
     (["data.tokenizer_path=/no/such/tokenizer.json"], "data.tokenizer_path='/no/such/tokenizer.json' is not "

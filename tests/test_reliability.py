@@ -147,6 +147,23 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(wiki, tmp_path):
     assert (tmp_path / "resume.pt").is_file()
 
 
+@pytest.mark.slow
+def test_a_sigint_the_launching_shell_ignores_stays_ignored_and_sigterm_still_stops_the_run(wiki, tmp_path):
+    """`cmd &` in a script starts the run with SIGINT ignored: a Ctrl-C meant for the foreground job."""
+    proc = subprocess.Popen([sys.executable, "-m", "frontier.train", *FAST, "budget.max_steps=100000",
+                             "checkpoint.every_fraction=0.00001", "eval.every_fraction=0", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    wait_for(tmp_path / "resume.pt", proc)  # training is under way
+    proc.send_signal(signal.SIGINT)
+    time.sleep(3)
+    assert proc.poll() is None and not (tmp_path / "summary.json").exists()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "KILLED"
+
+
 # A test-only sitecustomize.py (put on PYTHONPATH) that reaches into a CLI run: it can slow each
 # forward, backward and optimizer step, send the process SIGTERM at one exact moment of one step
 # (FRONTIER_TEST_SIGNAL="forward:2" = inside the 2nd step of this launch; "backward:K",

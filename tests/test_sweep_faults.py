@@ -315,20 +315,27 @@ def test_a_driver_interrupted_as_its_sweep_starts_leaves_no_trial_running(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]], ids=["once", "twice"])
-def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path, signals):
+@pytest.mark.parametrize("signals, sigint_ignored", [([signal.SIGTERM], False), ([signal.SIGTERM, signal.SIGINT], False),
+                                                     ([signal.SIGINT, signal.SIGTERM], True)],
+                         ids=["once", "twice", "sigint-ignored-by-its-shell"])
+def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_path, signals, sigint_ignored):
     """Preemption or Ctrl-C; a second signal (an impatient user) kills the trial at once, and the
-    trial, the report and the driver's end are still recorded."""
+    trial, the report and the driver's end are still recorded. A driver started with SIGINT ignored
+    (`cmd &` in a script) keeps ignoring it."""
     storage = str(tmp_path / "study.journal")
     driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
                                              f"sweep.storage={storage}", "sweep.study_name=stopped"),
-                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None)
     try:
         wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
         trial = Process.parse(trial_attr(storage, "stopped", "process"))
         for signum in signals:
             driver.send_signal(signum)
             time.sleep(0.1)
+            if sigint_ignored and signum == signal.SIGINT:
+                time.sleep(3)
+                assert driver.poll() is None and not gone(trial)
         output, _ = driver.communicate(timeout=300)
     finally:
         driver.kill()
@@ -341,7 +348,7 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
     assert gone(trial)
     assert (tmp_path / "out" / "report" / "report.md").exists()
     assert drivers_ended(study) == [True]
-    if len(signals) == 1:
+    if len(signals) == 1 or sigint_ignored:
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
         assert (tmp_path / "out" / "0" / "resume.pt").exists()

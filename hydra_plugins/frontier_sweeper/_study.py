@@ -782,10 +782,12 @@ def search_path_override(config: DictConfig) -> list[str]:
 
 
 def _on_signals(handler) -> None:
-    """Ctrl-C and SIGTERM (preemption, time limits) alike; Python takes signals in the main thread only."""
+    """Ctrl-C and SIGTERM (preemption, time limits) alike; Python takes signals in the main thread only.
+    One the driver was started ignoring (SIGINT in a background job) stays ignored."""
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, handler)
 
 
 _UNSET = object()  # a study attribute never recorded
