@@ -197,9 +197,11 @@ def _row_scale(targets: torch.Tensor, reduction: str, grad: torch.Tensor | None 
     return scale
 
 
-def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callable) -> Callable:
+def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callable,
+                   work_buffer: bool = True) -> Callable:
     """A chunked head_loss op from per-chunk functions with the signatures of torch_row_loss,
-    torch_row_grad and torch_row_loss_grad."""
+    torch_row_grad and torch_row_loss_grad; `work_buffer`: row_loss_grad makes its gradient in the
+    `work` chunk it is given (False: it returns it in z, and no such chunk is allocated)."""
 
     class HeadLoss(torch.autograd.Function):
         @staticmethod
@@ -209,7 +211,7 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
             scale = _row_scale(targets, reduction) if grads_now else None
             losses, lses, dxs, dw = [], [], [], None
             logits = _chunk_buffer(x, weight, chunk_rows)
-            work = torch.empty_like(logits) if grads_now and logits is not None else None
+            work = torch.empty_like(logits) if work_buffer and grads_now and logits is not None else None
             with torch.autocast(x.device.type, enabled=False):
                 for start in range(0, x.size(0), chunk_rows):
                     rows = slice(start, start + chunk_rows)
@@ -277,7 +279,8 @@ def make_head_loss(row_loss: Callable, row_grad: Callable, row_loss_grad: Callab
 _chunked = make_head_loss(torch_row_loss, torch_row_grad, torch_row_loss_grad)
 # torch.compiler.disable, made on its first call: importing torch._dynamo here would cost every command
 # that loads the model (a command-line check too) a second
-_chunked_in_compiled = torch._disable_dynamo(make_head_loss(torch_row_loss, torch_row_grad, compiled_row_loss_grad))
+_chunked_in_compiled = torch._disable_dynamo(make_head_loss(torch_row_loss, torch_row_grad, compiled_row_loss_grad,
+                                                            work_buffer=False))
 
 
 def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,

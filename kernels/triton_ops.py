@@ -172,8 +172,8 @@ def _row_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: 
 
 
 def _row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, softcap: float | None,
-                   work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    del work  # the kernel makes the gradient in z itself
+                   work: None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    del work  # the kernel makes the gradient in z itself (work_buffer=False below)
     loss = torch.empty(z.size(0), dtype=torch.float32, device=z.device)
     lse = torch.empty_like(loss)
     _launch_cross_entropy(z, targets, lse, scale.contiguous(), softcap, loss)
@@ -181,4 +181,4 @@ def _row_loss_grad(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, 
 
 
 # the chunked head + cross-entropy of kernels/head_loss.py with these kernels between its matmuls
-head_loss = make_head_loss(_row_loss, _row_grad, _row_loss_grad)
+head_loss = make_head_loss(_row_loss, _row_grad, _row_loss_grad, work_buffer=False)
