@@ -81,15 +81,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding; x is (B, H, T, D), cos/sin are (T, D/2)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if torch.compiler.is_compiling():  # inductor fuses the plain definition
-        half = x.size(-1) // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
-    return _Rotary.apply(x, cos, sin)
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # inductor fuses the plain definition
+        return _Rotary.apply(x, cos, sin)
+    half = x.size(-1) // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
 class _Rotary(torch.autograd.Function):
-    """The rotation written straight into one output each way, where autograd's eager version
+    """On a CPU, the rotation written straight into one output each way, where autograd's eager version
     allocates a tensor per product and sum and a cat: its backward is the inverse rotation."""
 
     @staticmethod
