@@ -158,11 +158,31 @@ def ensure_store(uri: str) -> None:
         _probe_database(uri)
     try:
         with _store_lock(uri):
+            _create_sqlite_whole(uri)
             _retry(MlflowClient(uri).search_experiments, max_results=1)
     except ConfigError:
         raise
     except Exception as err:
         raise ConfigError(f"tracking.uri={uri} could not be opened ({store_error_line(err)})") from None
+
+
+def _create_sqlite_whole(uri: str) -> None:
+    """A new SQLite store is made whole or not at all: MLflow builds its schema in a dozen migrations,
+    and one cut off by a signal or kill -9 left a database that no later command could open. So the
+    schema is built in a file beside it, which then takes the store's name in one rename. (MLflow keeps
+    an idle engine for the file's first name; it holds no lock.)"""
+    db = paths.sqlite_path(uri)
+    if db is None or (db.expanduser().exists() and db.expanduser().stat().st_size > 0):
+        return
+    db = db.expanduser()
+    partial = db.with_name(f".{db.name}.{os.getpid()}.partial")
+    _, sep, query = uri.partition("?")
+    try:
+        MlflowClient(f"sqlite:///{partial}{sep}{query}").search_experiments(max_results=1)
+        os.replace(partial, db)
+    finally:
+        for leftover in (partial, Path(f"{partial}-journal")):
+            leftover.unlink(missing_ok=True)
 
 
 def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: str | None = None,

@@ -516,6 +516,42 @@ sys.meta_path.insert(0, SignalInInitWorld())
 """
 
 
+STORE_CUT_OFF = """
+import os, signal, time
+import mlflow.store.db.utils as db_utils
+
+real = db_utils._initialize_tables
+
+def cut_off(engine):  # SIGTERM while MLflow migrates a new store, one temporary table made already
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler runs in here
+    return real(engine)
+
+db_utils._initialize_tables = cut_off
+"""
+
+
+def test_sigterm_while_a_new_sqlite_store_is_made_leaves_no_half_made_store(tmp_path):
+    """The store is made whole or not at all: after the stopped launch the next command makes it and
+    records the run, where a cut-off migration had left a database that nothing could open."""
+    db = tmp_path / "store" / "mlflow.db"
+    run_dir = tmp_path / "run"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STORE_CUT_OFF)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(PROJECT_ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "frontier.train", *RUN, "budget.max_steps=2",
+                           f"tracking.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not db.exists() and not [p for p in db.parent.iterdir() if "partial" in p.name]
+    synced = sync(run_dir, f"tracking.uri=sqlite:///{db}")
+    assert synced.returncode == 0, synced.stderr
+    [run] = runs_of(MlflowClient(f"sqlite:///{db}"), run_dir)
+    assert run.info.status == "KILLED" and run.data.tags["error"].startswith("not started: ")
+
+
 def test_sigterm_before_a_new_run_owns_its_directory_still_ends_it_recorded(tmp_path, template_db):
     """A signal in the trainer's checks, before its sinks exist, leaves summary.json (no MLflow run yet);
     sync then records that run once, KILLED, and a second sync adds nothing."""
