@@ -37,7 +37,8 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import InterpolationKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue,
+                              OmegaConfBaseException, ValidationError)
 
 import frontier
 from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
@@ -216,6 +217,8 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             check_run(app, cfg, overrides, check)
             check_writable(cfg, "hydra.run.dir")
             check_no_live_run(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
+            for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
+                selected(cfg, key)
             return
         for override in overrides:  # Hydra would drop these silently: the defaults would run
             if override.is_sweep_override() and (override.key_or_group == "sweep"
@@ -226,6 +229,8 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                   "'optim.matrix_lr=interval(0.01,0.1)'")
         master = app.compose(overrides, RunMode.MULTIRUN)
         check_writable(master, "hydra.sweep.dir")
+        for key in ("hydra.sweep.subdir", "hydra.job.name", "hydra.output_subdir"):
+            selected(master, key)
         if master.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides,
             check_run(app, master, overrides, check)  # and its sweeper checks the trials' values
             return
@@ -488,13 +493,24 @@ def check_no_live_run(cfg: DictConfig, key: str) -> None:
 
 
 def selected_path(cfg: DictConfig, key: str) -> Optional[Path]:
+    value = selected(cfg, key)
+    return None if value is None else Path(str(value))
+
+
+def selected(cfg: DictConfig, key: str) -> Any:
+    """KEY's value; None where it is not set or depends on what is known only when the job starts
+    (`${hydra:runtime.cwd}`). A reference to a key or an environment variable that does not exist, on
+    which the job would stop too, is a ConfigError naming KEY."""
     try:
-        return Path(str(OmegaConf.select(cfg, key)))
-    except InterpolationKeyError as err:  # a key that no config has: the job would stop on it too
+        return OmegaConf.select(cfg, key)
+    except InterpolationResolutionError as err:
+        # OmegaConf keeps a resolver's own error as text only: oc.env's is "KeyError raised while ..."
+        if not (isinstance(err, InterpolationKeyError) or str(err).startswith("KeyError raised")):
+            return None
         parent, _, leaf = key.rpartition(".")
         raw = OmegaConf.select(cfg, parent)._get_node(leaf)._value()
         raise ConfigError(f"{key}={raw} is not allowed: {error_line(err, named=False)}") from None
-    except Exception:  # it depends on values known only when the job starts
+    except Exception:
         return None
 
 

@@ -128,13 +128,26 @@ def signals_handled() -> Iterator[None]:
     global _handling
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
                 if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable_unless_stopped(sys.unraisablehook)
     _handling = True
     try:
         yield
     finally:
         _handling = False
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _unraisable_unless_stopped(hook):
+    """Python prints a traceback for a KeyboardInterrupt that `_on_signal` raised inside a weakref
+    callback or a __del__, and goes on; that stop is not lost (raise_if_stopped raises it again), so
+    it is not printed either."""
+    def unraisable(info) -> None:
+        if not (isinstance(info.exc_value, KeyboardInterrupt) and _stop_reason is not None):
+            hook(info)
+
+    return unraisable
 
 
 @contextlib.contextmanager

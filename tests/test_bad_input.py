@@ -112,6 +112,13 @@ BAD = [
     (["hydra.run.dir=${nope}"], "hydra.run.dir=${nope} is not allowed: Interpolation key 'nope' not found"),
     (["--multirun", "hydra.sweep.dir=out/${nope.x}"], "hydra.sweep.dir=out/${nope.x} is not allowed: Interpolation "
                                                       "key 'nope.x' not found"),
+    (["hydra.run.dir=out/${oc.env:FRONTIER_NO_SUCH_VARIABLE}"], "hydra.run.dir=out/${oc.env:FRONTIER_NO_SUCH_"
+                                                                 "VARIABLE} is not allowed: KeyError raised while "
+                                                                 "resolving interpolation: \"Environment variable"),
+    (["hydra.job.name=${nope}"], "hydra.job.name=${nope} is not allowed: Interpolation key 'nope' not found"),
+    (["hydra.output_subdir=${nope}"], "hydra.output_subdir=${nope} is not allowed: Interpolation key 'nope'"),
+    (["--multirun", "model.depth=2,3", "hydra.sweep.subdir=${nope}"], "hydra.sweep.subdir=${nope} is not allowed: "
+                                                                      "Interpolation key 'nope' not found"),
     (["data.tokenizer_path=README.md"], "data.tokenizer_path='README.md' is not allowed: README.md is not a "
                                         "tokenizer.json the tokenizers library can read"),
     (["data.tokenizer_path=/no/such/tokenizer.json"], "data.tokenizer_path='/no/such/tokenizer.json' is not "
