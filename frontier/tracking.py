@@ -172,9 +172,11 @@ def _create_sqlite_whole(uri: str) -> None:
     schema is built in a file beside it, which then takes the store's name in one rename. (MLflow keeps
     an idle engine for the file's first name; it holds no lock.)"""
     db = paths.sqlite_path(uri)
-    if db is None or (db.expanduser().exists() and db.expanduser().stat().st_size > 0):
+    if db is None:
         return
     db = db.expanduser()
+    if db.exists() and db.stat().st_size > 0:
+        return
     partial = db.with_name(f".{db.name}.{os.getpid()}.partial")
     _, sep, query = uri.partition("?")
     try:
