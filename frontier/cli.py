@@ -216,7 +216,7 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             cfg = app.compose(overrides, RunMode.RUN)
             check_run(app, cfg, overrides, check)
             check_writable(cfg, "hydra.run.dir")
-            check_no_live_run(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
+            check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
                 selected(cfg, key)
             return
@@ -483,13 +483,16 @@ def check_writable(cfg: DictConfig, key: str) -> None:
         check_writable_path(key, path)
 
 
-def check_no_live_run(cfg: DictConfig, key: str) -> None:
-    """A run directory in which another process is still training is refused before Hydra writes there."""
-    from frontier.lifecycle import check_not_running
+def check_run_dir_free(cfg: DictConfig, key: str) -> None:
+    """Refused before Hydra writes there: a run directory in which another process is still training,
+    and for a new run (not `resume=`) one where an earlier run left its records."""
+    from frontier.lifecycle import check_no_earlier_run, check_not_running
 
     path = selected_path(cfg, key)
     if path is not None and path.is_dir():
         check_not_running(path, key)
+        if cfg.get("resume") is None:
+            check_no_earlier_run(path, key)
 
 
 def selected_path(cfg: DictConfig, key: str) -> Optional[Path]:

@@ -35,6 +35,9 @@ from frontier.observers import MetricsFile, notify
 
 ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
 LOCK_FILE = "run.lock"
+# what a run leaves in its directory, which a new run there would write over or add its own records to
+RUN_RECORDS = ("summary.json", "metrics.jsonl", "resume.pt", "final.pt")
+NOT_STARTED = "not started: "  # the error of a launch that ended before its first step
 TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED", "COMPILED")
 
 
@@ -193,10 +196,34 @@ def in_use(run_dir: Path, key: str) -> ConfigError:
                        f"{lock}); wait for it to end, or stop it first")
 
 
-def own(run_dir: Path, key: str) -> int | None:
+def earlier_records(run_dir: Path) -> list[str]:
+    """The records a run left in RUN_DIR (of RUN_RECORDS); none for a launch that stopped before it
+    started (its summary.json alone, `not started: ...`), which a corrected command may take over."""
+    found = [name for name in RUN_RECORDS if (Path(run_dir) / name).exists()]
+    if found == ["summary.json"]:
+        try:
+            error = json.loads((Path(run_dir) / "summary.json").read_text()).get("error")
+        except (OSError, ValueError, AttributeError):
+            return found
+        if isinstance(error, str) and error.startswith(NOT_STARTED):
+            return []
+    return found
+
+
+def check_no_earlier_run(run_dir: Path, key: str) -> None:
+    """Refuses a new run in a directory where another run left its records: the new one would write
+    over its summary.json and final.pt, and add its own points to its metrics.jsonl."""
+    found = earlier_records(run_dir)
+    if found:
+        raise ConfigError(f"{key}={run_dir} is not allowed: an earlier run left its records there "
+                          f"({', '.join(found)}), which a new run would write over; give the new run a "
+                          f"directory of its own (resume={run_dir} continues a stopped run)")
+
+
+def own(run_dir: Path, key: str, new: bool = False) -> int | None:
     """Takes RUN_DIR/run.lock for this process until `disown`; a ConfigError naming `key` while another
-    process holds it (a run still training there). Where the filesystem cannot lock, the run goes on
-    unguarded, with a warning (None)."""
+    process holds it (a run still training there) or, for a `new` run, where an earlier run left its
+    records. Where the filesystem cannot lock, the run goes on unguarded, with a warning (None)."""
     lock = Path(run_dir) / LOCK_FILE
     try:
         fd = _try_lock(run_dir, create=True)
@@ -204,11 +231,18 @@ def own(run_dir: Path, key: str) -> int | None:
         print(f"warning: {lock} cannot be locked on this filesystem ({err}): a second process is not kept out "
               "of this run directory, and `frontier.tracking sync` cannot tell whether the run is alive",
               file=sys.stderr, flush=True)
-        return None
+        fd = None
     except OSError as err:
         raise ConfigError(f"{key}={run_dir} is not allowed: {lock} cannot be written ({err.strerror or err})") from None
-    if fd is None:
-        raise in_use(run_dir, key)
+    else:
+        if fd is None:
+            raise in_use(run_dir, key)
+    if new:
+        try:
+            check_no_earlier_run(run_dir, key)
+        except ConfigError:
+            disown(fd)
+            raise
     return fd
 
 
@@ -287,7 +321,7 @@ def for_run(run) -> list:
 
 def not_started(err: BaseException) -> tuple[str, str]:
     """The status and error of a launch that a signal or a failure stopped before its first step."""
-    return "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"not started: {error_line(err)}"
+    return "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"{NOT_STARTED}{error_line(err)}"
 
 
 def record_not_started(run_dir: Path, summary: dict, err: BaseException) -> None:

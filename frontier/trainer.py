@@ -443,7 +443,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
     run, status, error, trained, owner, owned = None, "FAILED", None, False, None, False
     try:
         if plan.world.is_main:  # rank 0 writes the run directory, so it owns it
-            owner = lifecycle.own(run_dir, "resume" if state is not None else "hydra.run.dir")
+            owner = lifecycle.own(run_dir, "resume" if state is not None else "hydra.run.dir", new=state is None)
             owned = True
         life = Lifecycle(RunInfo(plan.config, raw, run_dir, summary), plan.world.is_main)
     except BaseException as err:

@@ -78,6 +78,34 @@ def wait_for(path, proc, timeout=300):
 
 
 @pytest.mark.slow
+def test_a_new_run_in_an_earlier_runs_directory_is_refused_and_its_records_kept(wiki, tmp_path):
+    """hydra.run.dir of a finished run given to a new one: exit 2, one sentence naming the key, before
+    Hydra writes; the trainer refuses it too (the sweeper's trials and races reach it past the command
+    line). Either way the first run's files (summary.json, metrics.jsonl, final.pt, Hydra's record)
+    stay byte for byte, where the new run wrote over them and appended its points to the old ones."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, "budget.max_steps=2", f"hydra.run.dir={run_dir}"]
+    first = cli(args)
+    assert first.wait(timeout=600) == 0, first.communicate()[1][-3000:]
+    kept = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file() and path.name != "run.lock"}
+    assert {"summary.json", "metrics.jsonl", "final.pt", "config.yaml"} <= {path.name for path in kept}
+
+    again = cli(args)
+    _, stderr = again.communicate(timeout=600)
+    assert again.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} is not allowed: an earlier run left its records there (summary.json, "
+        f"metrics.jsonl, final.pt), which a new run would write over; give the new run a directory of its own "
+        f"(resume={run_dir} continues a stopped run)"], stderr
+    with pytest.raises(lifecycle.ConfigError, match=r"^hydra.run.dir=.* an earlier run left its records there"):
+        train(compose_config([*FAST, "budget.max_steps=2"]), run_dir, QUIET)
+    assert {path: path.read_bytes() for path in kept} == kept
+    owner = lifecycle.own(run_dir, "hydra.run.dir")
+    assert owner is not None  # the refusals left the lock free
+    lifecycle.disown(owner)
+
+
+@pytest.mark.slow
 def test_kill_9_then_resume_finishes_the_same_run(wiki, tmp_path):
     args = [*FAST, "budget.max_steps=16", "checkpoint.every_fraction=0.25", "eval.every_fraction=0"]
     proc = cli([*args, f"hydra.run.dir={tmp_path / 'run'}"])

@@ -125,6 +125,69 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
     assert (storage.read_bytes() if storage.exists() else None) == before
 
 
+def outputs(folder: Path) -> dict:
+    return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file() and path.name != "run.lock"}
+
+
+@pytest.mark.slow
+def test_a_sweep_into_another_studys_sweep_dir_is_refused_and_its_trials_kept(tmp_path):
+    """hydra.sweep.dir of another study's sweep: trial 0 would write over that sweep's trial 0 (and the
+    driver would read its summary.json for its own). Exit 2, one sentence, no study made and the other
+    sweep's files as they were; the same study's next sweep there numbers its trials on."""
+    storage, out = str(tmp_path / "study.journal"), tmp_path / "out"
+    first = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
+                                          "sweep.study_name=first", "tracking.enabled=false"),
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept, journal = outputs(out), Path(storage).read_bytes()
+
+    other = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
+                                          "sweep.study_name=second", "tracking.enabled=false"),
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert other.stderr.strip().splitlines() == [
+        f"error: hydra.sweep.dir={out} is not allowed: another sweep's trials left their outputs there "
+        f"({out / '0'}), which the trials of study 'second' would write over; give this sweep a directory "
+        "of its own"], other.stderr
+    assert outputs(out) == kept and Path(storage).read_bytes() == journal
+
+    more = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=2", f"sweep.storage={storage}",
+                                         "sweep.study_name=first", "tracking.enabled=false"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert [t.state for t in load(storage, "first").trials] == [TrialState.COMPLETE] * 2
+    assert all(outputs(out)[path] == content for path, content in kept.items() if path.parent.name == "0")
+
+
+@pytest.mark.slow
+def test_a_trial_folder_written_by_another_sweep_meanwhile_is_neither_overwritten_nor_read(tmp_path):
+    """Another sweep writes into this sweep's directory after its start was checked: the trial whose
+    folder holds that run's records does not start (FAIL, with why), the sweep stops with one error
+    line, and the other run's summary.json is neither written over nor taken as this trial's result."""
+    storage, out = str(tmp_path / "study.journal"), tmp_path / "out"
+    driver = subprocess.Popen(driver_command(out, *SHORT, "sweep.n_trials=2", f"sweep.storage={storage}",
+                                             "sweep.study_name=raced", "tracking.enabled=false"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: driver.poll() is not None or (out / "multirun.yaml").exists(), 300, "the sweep to start")
+        theirs = out / "1" / "summary.json"
+        theirs.parent.mkdir()
+        theirs.write_text(json.dumps({"status": "FINISHED", "val_bpb": 1.0}))
+        stdout, stderr = driver.communicate(timeout=600)
+    finally:
+        driver.kill()
+    reason = (f"{out / '1'} holds another run's records (summary.json), so trial 1 did not start there; give each "
+              "sweep a hydra.sweep.dir of its own")
+    assert driver.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, (stdout + stderr)[-3000:]
+    assert [line for line in (stdout + stderr).splitlines() if line.startswith("error:")] == [
+        f"error: the sweep stopped: {reason}"], stderr[-3000:]
+    assert json.loads(theirs.read_text()) == {"status": "FINISHED", "val_bpb": 1.0}
+    trials = load(storage, "raced").trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL]
+    assert trials[1].user_attrs["fail_reason"] == reason
+
+
 # -----------------------------------------------------------------------------
 # Supervised trials
 
@@ -584,9 +647,7 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
                                              "tracking.experiment=gone"),
                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for(lambda: driver.poll() is not None or (out / "1" / "metrics.jsonl").exists(), 300,
-                 "trial 1 to train")
-        assert driver.poll() is None, driver.communicate()
+        wait_for_training(driver, out / "1" / "metrics.jsonl")
         delete()
         stdout, stderr = driver.communicate(timeout=300)
     finally:
@@ -605,8 +666,9 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
     first = json.loads((out / "0" / "summary.json").read_text())
     assert first["status"] == "FINISHED" and runs["trial-0"].info.status == "FINISHED"
     assert runs["trial-0"].data.metrics["val_bpb"] == pytest.approx(first["val_bpb"])
-    running = json.loads((out / "1" / "summary.json").read_text())["status"]
-    assert running in ("KILLED", "FINISHED") and runs["trial-1"].info.status == running
+    running = json.loads((out / "1" / "summary.json").read_text())
+    assert running["status"] in ("KILLED", "FINISHED"), (running, (out / "1" / "output.log").read_text()[-3000:])
+    assert runs["trial-1"].info.status == running["status"]
     assert not (out / "2").exists()  # no trial launched after the storage went
 
 

@@ -34,6 +34,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from frontier.cli import Composer, check_run, parse_override, unwritable
 from frontier.config import ConfigError, SweepConfig, error_line
+from frontier.lifecycle import earlier_records
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
@@ -321,6 +322,7 @@ class Sweep:
         return study
 
     def load_or_create_study(self) -> optuna.Study:
+        held = self.trial_folders()  # before the trials are counted: a folder is made after its trial
         if self.study_name in {s.study_name for s in self.storage.get_all_studies()}:
             # checked before anything is written: a refused command leaves the study as it was
             study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
@@ -328,7 +330,9 @@ class Sweep:
             self.objective.check_study(study)
             if study.trials or live_drivers(study, self.sweep.grace_period):
                 self.check_same_sweep(study)
+            self.check_sweep_dir(held, len(study.get_trials(deepcopy=False)))
         else:  # load_if_exists: on a database ask_lock cannot lock, another driver may create it meanwhile
+            self.check_sweep_dir(held, 0)
             study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                         pruner=build_pruner(**self.pruner), directions=self.objective.directions,
                                         load_if_exists=True)
@@ -344,6 +348,23 @@ class Sweep:
         study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
         return study
+
+    def trial_folders(self) -> list[int]:
+        """The numbers of the folders in hydra.sweep.dir where a trial left its records."""
+        if not self.sweep_dir.is_dir():
+            return []
+        return sorted(int(path.name) for path in self.sweep_dir.iterdir()
+                      if path.name.isdigit() and path.is_dir() and earlier_records(path))
+
+    def check_sweep_dir(self, held: list[int], trials: int) -> None:
+        """Trial N writes SWEEP_DIR/N: a folder there with records and a number this study has not
+        reached belongs to another study's sweep, whose outputs this one would write over."""
+        theirs = [number for number in held if number >= trials]
+        if theirs:
+            shown = ", ".join(str(self.sweep_dir / str(n)) for n in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: another sweep's trials left their "
+                              f"outputs there ({shown}), which the trials of study {self.study_name!r} would write "
+                              "over; give this sweep a directory of its own")
 
     def shared(self) -> dict:
         """What every driver of one study must agree on: another search space, sampler, seed or pruner
@@ -501,7 +522,7 @@ class Sweep:
                     return
                 self.run_trial(trial, slot)
         except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
-            if isinstance(err, OSError) or from_storage(err):  # the machine's fault: no traceback
+            if isinstance(err, (OSError, SweepDirTaken)) or from_storage(err):  # not a bug: no traceback
                 log.error(f"worker on {slot.label} stopped: {error_line(storage_cause(err))}")
             else:  # a bug: its traceback helps
                 log.exception(f"worker on {slot.label} stopped")
@@ -513,6 +534,12 @@ class Sweep:
     def run_trial(self, trial: optuna.Trial, slot: Slot) -> None:
         run_dir = self.sweep_dir / str(trial.number)
         run_dir.mkdir(parents=True, exist_ok=True)
+        found = earlier_records(run_dir)
+        if found:  # a sweep of another study writes here since this one started: neither overwritten nor read
+            reason = (f"{run_dir} holds another run's records ({', '.join(found)}), so trial {trial.number} did "
+                      "not start there; give each sweep a hydra.sweep.dir of its own")
+            end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+            raise SweepDirTaken(reason)
         params = [as_override(key, value) for key, value in trial.params.items()]
         overrides = self.fixed + params
         extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
@@ -664,6 +691,8 @@ class Sweep:
     def describe_error(self, err: BaseException) -> str:
         if isinstance(err, TrackingStartError):
             return f"the sweep stopped before its first trial: {err}"
+        if isinstance(err, SweepDirTaken):
+            return f"the sweep stopped: {err}"
         where = f"its storage {safe_storage(self.storage_spec)} failed" if from_storage(err) else "a worker failed"
         return (f"the sweep stopped: {where} ({error_line(storage_cause(err))}); each trial's summary.json and "
                 f"output.log are under {self.sweep_dir}")
@@ -738,6 +767,10 @@ class Sweep:
         """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
         return (f"python -m frontier.sweep_report study={self.study_name} "
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
+
+
+class SweepDirTaken(Exception):
+    """A trial's folder holds another run's records, written there after the sweep's start was checked."""
 
 
 class TrackingStartError(Exception):
