@@ -679,7 +679,7 @@ def _end_broken_start(client: MlflowClient, uri: str, run, opened: dict[str, str
     run_dir = str(Path(run.run_dir).resolve())
     try:
         for run_id in _made_by_broken_start(client, opened.get("run_id"), opened.get("experiment_id"), run_dir):
-            _set_status(client, run_id, status, f"not started: {store_error_line(err)}", _now_ms())
+            _set_status(client, run_id, status, f"{lifecycle.NOT_STARTED}{store_error_line(err)}", _now_ms())
             if "resume_step" not in run.summary:  # a resumed run's record already names it
                 write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=status)
     except Exception:  # the store is what failed: the run's own files hold what there is
