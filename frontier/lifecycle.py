@@ -88,6 +88,8 @@ def _on_signal(signum, frame) -> None:
     name = signal.Signals(signum).name
     now = time.monotonic()
     if _ending:  # the records of the run's end are being written: let them finish
+        with _lock:
+            _stop_reason = _stop_reason or f"interrupted by {name}"
         print(f"{name}: the run is already ending; its records are being written", file=sys.stderr, flush=True)
         return
     if not _deferring:  # setting up or finishing: nothing to save at a step boundary
@@ -117,6 +119,19 @@ def closing() -> None:
     """The run's end is being recorded: from here on a signal waits for those writes (see _on_signal)."""
     global _ending
     _ending = True
+
+
+@contextlib.contextmanager
+def recording_end() -> Iterator[None]:
+    """Around the records of a launch that ends before `Lifecycle.end` can (one stopped or refused while
+    it started): a signal inside waits for them, as after `closing`, where a second Ctrl-C had cut them
+    short and left the MLflow run RUNNING. The stop it asks for stays asked (see raise_if_stopped)."""
+    global _ending
+    before, _ending = _ending, True
+    try:
+        yield
+    finally:
+        _ending = before
 
 
 @contextlib.contextmanager
@@ -314,7 +329,8 @@ def for_run(run) -> list:
                 (run.run_dir / "summary.json").unlink(missing_ok=True)
     except BaseException as err:
         status, error = not_started(err)
-        notify(found[1:], "on_end", {**run.summary, "status": status}, status, error)
+        with recording_end():
+            notify(found[1:], "on_end", {**run.summary, "status": status}, status, error)
         raise
     return found
 
@@ -329,7 +345,7 @@ def record_not_started(run_dir: Path, summary: dict, err: BaseException) -> None
     failed): the run directory says how it ended, as for every other end. Best effort: the error
     that stopped it is what the caller reports."""
     status, error = not_started(err)
-    with contextlib.suppress(RunWriteError):
+    with recording_end(), contextlib.suppress(RunWriteError):
         write_json(Path(run_dir) / "summary.json", {**summary, "status": status, "error": error})
 
 

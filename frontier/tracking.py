@@ -677,13 +677,12 @@ def _end_broken_start(client: MlflowClient, uri: str, run, opened: dict[str, str
     inside `create_run` leaves no id: the run is then found by its run_dir tag."""
     status, _ = lifecycle.not_started(err)  # the error names the store's own failure (store_error_line)
     run_dir = str(Path(run.run_dir).resolve())
-    try:
+    # the store is what failed (or a signal): the run's own files hold what there is
+    with lifecycle.recording_end(), contextlib.suppress(Exception):
         for run_id in _made_by_broken_start(client, opened.get("run_id"), opened.get("experiment_id"), run_dir):
             _set_status(client, run_id, status, f"{lifecycle.NOT_STARTED}{store_error_line(err)}", _now_ms())
             if "resume_step" not in run.summary:  # a resumed run's record already names it
                 write_ack(run.run_dir, uri, run_id, acked_records=0, terminal_status=status)
-    except Exception:  # the store is what failed: the run's own files hold what there is
-        pass
 
 
 def _made_by_broken_start(client: MlflowClient, run_id: str | None, experiment_id: str | None,

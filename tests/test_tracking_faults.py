@@ -429,20 +429,20 @@ def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_e
 
 # A test-only sitecustomize.py (put on PYTHONPATH): SIGTERM (or the signal named third) to the process as
 # the K-th call of one MlflowClient method returns, before its caller has the result
-# (FRONTIER_TEST_MLFLOW_SIGNAL="create_run:1", "create_run:1:SIGKILL").
+# (FRONTIER_TEST_MLFLOW_SIGNAL="create_run:1", "create_run:1:SIGKILL"; several moments separated by commas).
 MLFLOW_SIGNAL = """
 import os, signal, time
-method, _, rest = os.environ.get("FRONTIER_TEST_MLFLOW_SIGNAL", "").partition(":")
-at, _, name = rest.partition(":")
-if method:
+moments = [m.split(":") for m in os.environ.get("FRONTIER_TEST_MLFLOW_SIGNAL", "").split(",") if m]
+if moments:
     from mlflow import MlflowClient
-    real, calls = getattr(MlflowClient, method), []
 
-    def signalled(self, *args, **kwargs):
-        result = real(self, *args, **kwargs)
-        calls.append(1)
-        if len(calls) == int(at):
-            os.kill(os.getpid(), getattr(signal, name or "SIGTERM"))
+for method, at, *name in moments:
+    def signalled(self, *args, _real=getattr(MlflowClient, method), _calls=[], _at=int(at),
+                  _signal=getattr(signal, name[0] if name else "SIGTERM"), **kwargs):
+        result = _real(self, *args, **kwargs)
+        _calls.append(1)
+        if len(_calls) == _at:
+            os.kill(os.getpid(), _signal)
             time.sleep(5)  # the handler runs in here
         return result
 
@@ -466,17 +466,23 @@ def runs_of(client: MlflowClient, run_dir: Path) -> list:
     return client.search_runs(experiments, filter_string=f"tags.run_dir = '{run_dir.resolve()}'")
 
 
-@pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1", "log_text:1"])
+@pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1", "log_text:1",
+                                    "create_run:1:SIGINT,get_run:1:SIGINT", "log_text:1:SIGINT,get_run:1:SIGINT"])
 def test_sigterm_while_the_mlflow_run_is_created_ends_it_killed(tmp_path, template_db, moment):
-    """create_run:1 is the moment the run exists in the store but its id is not known yet."""
+    """create_run:1 is the moment the run exists in the store but its id is not known yet. A second
+    Ctrl-C while that run is being ended (get_run, then its tags and status) waits for it, where it had
+    left it RUNNING."""
     uri = store_in(tmp_path, template_db)
     run_dir = tmp_path / "run"
     done = signalled_launch(tmp_path, [*RUN, "budget.max_steps=2", f"tracking.uri={uri}",
                                        f"hydra.run.dir={run_dir}"], moment)
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    first = moment.split(",")[0].split(":")[2:] or ["SIGTERM"]
+    if "," in moment:
+        assert "SIGINT: the run is already ending; its records are being written" in done.stderr, done.stderr
     [run] = runs_of(MlflowClient(uri), run_dir)
     assert run.info.status == "KILLED", moment
-    assert run.data.tags["error"] == "not started: KeyboardInterrupt: interrupted by SIGTERM"
+    assert run.data.tags["error"] == f"not started: KeyboardInterrupt: interrupted by {first[0]}"
     # the run directory says so too (it had no summary.json), and sync finds the same run, no twin
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["error"]) == ("KILLED", run.data.tags["error"])
