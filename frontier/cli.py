@@ -24,7 +24,7 @@ import threading
 import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import hydra
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -59,13 +59,11 @@ def command(entry: Callable) -> Callable:
         try:
             return entry(*args, **kwargs)
         except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            raise SystemExit(130) from None
+            _exit_interrupted(previous)
         except Exception:
             if not _interrupted.is_set():
                 raise
-            print("interrupted", file=sys.stderr)
-            raise SystemExit(130) from None
+            _exit_interrupted(previous)
         finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
             for signum, handler in previous.items():
                 if signal.getsignal(signum) is _on_interrupt:
@@ -75,6 +73,16 @@ def command(entry: Callable) -> Callable:
 
 
 _interrupted = threading.Event()  # set by the handler `command` installs; errors after it are its doing
+
+
+def _exit_interrupted(taken: dict) -> NoReturn:
+    """Exit 130 with one line. The command's process ignores a further signal from here on: one during
+    its exit (a second Ctrl-C) had ended it by SIGINT itself, or with a traceback."""
+    if frontier._started_as_a_command():
+        for signum in taken:
+            signal.signal(signum, signal.SIG_IGN)
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def _on_interrupt(signum, frame) -> None:

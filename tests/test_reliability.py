@@ -594,8 +594,10 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
     assert states[2] == optuna.trial.TrialState.COMPLETE
 
 
-def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path):
-    """frontier.bench interrupted while it times steps: no KeyboardInterrupt traceback."""
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "again-while-it-exits"])
+def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path, twice):
+    """frontier.bench interrupted while it times steps: no KeyboardInterrupt traceback. A second Ctrl-C
+    while it exits changes nothing (it had ended the process by SIGINT itself)."""
     proc = subprocess.Popen([sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
                              "bench.ops=false", "bench.steps=100000", f"bench.output={tmp_path / 'bench.json'}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -605,7 +607,15 @@ def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path):
             break
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
+    before = ""
+    if twice:
+        for line in proc.stderr:
+            before += line
+            if line == "interrupted\n":  # the process is exiting
+                proc.send_signal(signal.SIGINT)
+                break
     _, err = proc.communicate(timeout=120)
+    err = before + err
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.splitlines()[-1] == "interrupted", err
     assert not (tmp_path / "bench.json").exists()
