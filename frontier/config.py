@@ -41,6 +41,26 @@ def error_line(err: BaseException, *, named: bool = True) -> str:
     return f"{type(err).__name__}: {text}" if named else text
 
 
+def store_error_line(err: BaseException) -> str:
+    """An error of a store (MLflow's, Optuna's) as one line, naming the database driver's own error where
+    MLflow, Optuna and SQLAlchemy wrap one: their text can open with a note of where it happened ("(raised
+    as a result of Query-invoked autoflush; ...)"), and Optuna's StorageInternalError blames "invalid data
+    in the commit" for any failed commit, either of which would hide the cause."""
+    import sqlalchemy.exc  # installed with MLflow and Optuna; imported only once a store has failed
+
+    cause: BaseException | None = err
+    for _ in range(8):  # a short chain; bounded because a chain can loop back
+        if cause is None:
+            break
+        if isinstance(cause, sqlalchemy.exc.DBAPIError) and isinstance(cause.orig, BaseException):
+            driver = type(cause.orig)
+            return f"{driver.__module__}.{driver.__qualname__}: {error_line(cause.orig, named=False)}"
+        cause = cause.__cause__ or cause.__context__
+    if type(err).__name__ == "StorageInternalError" and err.__cause__ is not None:  # optuna.exceptions'
+        return error_line(err.__cause__)
+    return error_line(err)
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")

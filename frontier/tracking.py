@@ -58,7 +58,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import lifecycle, paths
 from frontier.cli import command, unwritable
-from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path
+from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path, store_error_line
 from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
 
 # MLflow's limits: param and tag value lengths, params/tags per log_batch call, metrics per call.
@@ -530,21 +530,6 @@ def _transient(err: Exception) -> bool:
     if isinstance(err, MlflowException):
         return err.error_code not in REFUSED_ERRORS
     return isinstance(err, (requests.RequestException, OSError, sqlalchemy.exc.OperationalError))
-
-
-def store_error_line(err: BaseException) -> str:
-    """An error of the store as one line, naming the database driver's own error where MLflow and
-    SQLAlchemy wrap one: their text can open with a note of where it happened ("(raised as a result
-    of Query-invoked autoflush; ...)") that would hide the cause."""
-    cause: BaseException | None = err
-    for _ in range(8):  # a short chain; bounded because a chain can loop back
-        if cause is None:
-            break
-        if isinstance(cause, sqlalchemy.exc.DBAPIError) and isinstance(cause.orig, BaseException):
-            driver = type(cause.orig)
-            return f"{driver.__module__}.{driver.__qualname__}: {error_line(cause.orig, named=False)}"
-        cause = cause.__cause__ or cause.__context__
-    return error_line(err)
 
 
 def curves(loss_points: list, val_points: list) -> Figure:

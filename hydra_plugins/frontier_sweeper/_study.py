@@ -33,7 +33,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from frontier.cli import Composer, check_run, parse_override, unwritable
-from frontier.config import ConfigError, SweepConfig, error_line
+from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.lifecycle import earlier_records
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
@@ -440,7 +440,7 @@ class Sweep:
                 if self.parent_run_id is not None and not others:  # sweep_report ends the run so if MLflow fails now
                     self.study.set_user_attr("mlflow_run_status", status)
         except Exception as err:  # the study's storage went away: its other drivers cannot be known
-            log.warning(f"could not record this driver's end in the study ({error_line(storage_cause(err))})"
+            log.warning(f"could not record this driver's end in the study ({store_error_line(err)})"
                         + (f"; its MLflow run is ended {status} here (a later driver of the study reopens it)"
                            if self.parent_run_id is not None else ""))
             others = []  # ended here rather than left RUNNING with nobody to end it
@@ -523,7 +523,7 @@ class Sweep:
                 self.run_trial(trial, slot)
         except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
             if isinstance(err, (OSError, SweepDirTaken)) or from_storage(err):  # not a bug: no traceback
-                log.error(f"worker on {slot.label} stopped: {error_line(storage_cause(err))}")
+                log.error(f"worker on {slot.label} stopped: {store_error_line(err)}")
             else:  # a bug: its traceback helps
                 log.exception(f"worker on {slot.label} stopped")
             self.errors.append(err)
@@ -694,7 +694,7 @@ class Sweep:
         if isinstance(err, SweepDirTaken):
             return f"the sweep stopped: {err}"
         where = f"its storage {safe_storage(self.storage_spec)} failed" if from_storage(err) else "a worker failed"
-        return (f"the sweep stopped: {where} ({error_line(storage_cause(err))}); each trial's summary.json and "
+        return (f"the sweep stopped: {where} ({store_error_line(err)}); each trial's summary.json and "
                 f"output.log are under {self.sweep_dir}")
 
     def stop_workers(self, workers: list[tuple[threading.Thread, threading.Event]]) -> str:
@@ -731,7 +731,7 @@ class Sweep:
             try:
                 record_driver(self.study, self.driver)
             except Exception as err:  # the workers meet the same storage error and stop the sweep
-                log.warning(f"driver heartbeat: {error_line(storage_cause(err))}")
+                log.warning(f"driver heartbeat: {store_error_line(err)}")
 
     def report(self, status: str, utilization: float) -> dict:
         """The sweep's end: the report, this driver's end in the study, the MLflow parent run. Each step
@@ -744,7 +744,7 @@ class Sweep:
         try:
             report = write_report(self.study, out)
         except Exception as err:
-            log.warning(f"could not write the report ({error_line(storage_cause(err))}); write it with "
+            log.warning(f"could not write the report ({store_error_line(err)}); write it with "
                         f"{self.redo(out)}")
         if report.get("best"):
             best = report["best"]
@@ -796,14 +796,6 @@ def from_storage(err: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
-
-
-def storage_cause(err: BaseException) -> BaseException:
-    """Optuna's StorageInternalError blames "invalid data in the commit" for any failed commit: the
-    database's own error says what failed."""
-    if isinstance(err, optuna.exceptions.StorageInternalError) and err.__cause__ is not None:
-        return err.__cause__
-    return err
 
 
 def search_path_override(config: DictConfig) -> list[str]:
