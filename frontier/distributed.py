@@ -33,13 +33,13 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def max(self, value: float) -> float:
-        """The slowest rank's figure, so every rank charges the same step time."""
+    def max(self, *values: float) -> list[float]:
+        """Each figure's largest value across ranks (the slowest rank's step time), in one collective."""
         if not self.active:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return t.tolist()
 
     def mean(self, value: float) -> float:
         if not self.active:

@@ -7,7 +7,8 @@ that one that fails (a full disk, a dead tracking server) never skips another.
 Signals are deferred: while the training loop runs, SIGTERM or SIGINT only sets a flag, and the
 loop stops at the next step boundary, where the model, optimizers, loader, clock and RNG all
 belong to the same step and resume.pt can be written. A second signal within ABORT_WINDOW
-seconds aborts at once (without writing resume.pt). `request_stop` sets the same flag from any
+seconds aborts at once (without writing resume.pt), except in a data-parallel rank, which a launcher
+can signal twice for one stop. `request_stop` sets the same flag from any
 thread (e.g. a sweep trial whose driver is gone).
 
 A run directory has one owner at a time: the process training in it holds an exclusive lock on its
@@ -96,6 +97,12 @@ def _on_signal(signum, frame) -> None:
         reason = _stop_reason = _stop_reason or f"interrupted by {name}"  # kept for raise_if_stopped
         print(f"{reason}: stopping now (no training step to finish)", file=sys.stderr, flush=True)
         raise KeyboardInterrupt(reason)
+    if _data_parallel():  # the launcher passes one stop on to every rank: a rank can get it twice at once
+        if _first_signal_at == -math.inf:
+            _first_signal_at = now
+            request_stop(f"interrupted by {name}")
+            print(f"{name}: stopping after this step", file=sys.stderr, flush=True)
+        return
     if now - _first_signal_at < ABORT_WINDOW:
         print(f"second signal ({name}): aborting at once; resume.pt keeps the last saved checkpoint",
               file=sys.stderr, flush=True)
@@ -104,6 +111,12 @@ def _on_signal(signum, frame) -> None:
     request_stop(f"interrupted by {name}")
     print(f"{name}: stopping after this step (send it again within {ABORT_WINDOW:g} s to abort at once)",
           file=sys.stderr, flush=True)
+
+
+def _data_parallel() -> bool:
+    """A rank of a torchrun job (as frontier.distributed.init_world reads it). A Ctrl-C reaches torchrun
+    and its ranks, and torchrun passes it on again; it kills the ranks itself after its shutdown timeout."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def raise_if_stopped() -> None:

@@ -43,6 +43,22 @@ class Diverged(RuntimeError):
     """The training loss became NaN, infinite, or absurdly large."""
 
 
+class StepTime:
+    """The budget clock's one collective per step: every rank charges the slowest rank's step time, and
+    the same all-reduce says whether any rank was asked to stop, so data-parallel ranks stop at the next
+    step boundary rather than the next log point, at no extra cost (torchrun kills its ranks 30 s after
+    it passes a signal on, and phase 2's log points lie 72 s apart)."""
+
+    def __init__(self, world: World | None = None):
+        self.world = world or World()
+        self.stop_seen = False  # at the end of the last step, on any rank
+
+    def __call__(self, seconds: float) -> float:
+        seconds, stop = self.world.max(seconds, float(lifecycle.stop_requested() is not None))
+        self.stop_seen = stop > 0
+        return seconds
+
+
 @dataclass
 class Run:
     """Everything one training run builds, so that phases can be read one at a time."""
@@ -59,6 +75,7 @@ class Run:
     optimizers: list
     clock: BudgetClock
     world: World
+    step_time: StepTime = field(default_factory=StepTime)  # the clock's collective (the loop reads its stop)
     summary: dict = field(default_factory=dict)
     tokens_seen: int = 0
 
@@ -143,9 +160,10 @@ def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind, world.rank, world.size)
     # Every rank packs the same global batch and trains on its own slice of it.
     loader = PackedLoader(train_corpus, seq, rows=config.train.batch_tokens // seq, seed=config.seed)
-    clock = BudgetClock(config.budget, device.synchronize, world.max)
+    step_time = StepTime(world)
+    clock = BudgetClock(config.budget, device.synchronize, step_time)
     return Run(config, raw, run_dir, device, model, step_model, tokenizer, loader, val_rows, optimizers, clock,
-               world, summary)
+               world, step_time, summary)
 
 
 def describe(run: Run) -> dict:
@@ -227,11 +245,11 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
     marks_reported = marks_reached(clock.progress, eval_every)
     loss_sum, loss_count = torch.zeros(()), 0
     log_start, log_tokens = clock.charged, clock.charged_tokens
-    check_stop = True  # distributed runs agree on a stop at the log cadence (a collective per check)
+    stopping, check_stop = False, True
     loop_start = time.perf_counter()
     run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
     while not clock.done:
-        if check_stop and agreed_stop(run):
+        if stopping or (check_stop and agreed_stop(run)):
             break
         with clock.step(cfg.train.batch_tokens):
             loss = train_step(run)
@@ -241,11 +259,12 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         if cfg.compile_only and clock.launch_steps >= max(cfg.budget.excluded_steps, 1):
             break
         progress = clock.progress
-        # A single process also logs the step a stop arrived in, so no step's loss is left out; data-parallel
-        # ranks check for a stop only at the cadence (the mean below is a collective), so they need not.
-        stopping = not run.world.active and lifecycle.stop_requested() is not None
+        # The step a stop arrived in is logged too, so no step's loss is left out: all ranks agree on it
+        # through the step's own collective (the mean below is one too). A single process checks again
+        # before the next step; data-parallel ranks learn of a later stop from that step's collective.
+        stopping = run.step_time.stop_seen if run.world.active else lifecycle.stop_requested() is not None
         logged = progress >= next_log - 1e-9 or clock.done or stopping
-        check_stop = logged or not run.world.active
+        check_stop = not run.world.active
         if logged:
             mean_loss = run.world.mean((loss_sum / loss_count).item())  # the only host sync, at the log cadence
             if not math.isfinite(mean_loss) or mean_loss > cfg.train.loss_ceiling:

@@ -2,8 +2,11 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +105,49 @@ def test_a_missing_rendezvous_variable_is_a_clear_error(wiki):
     result = run_cli([*FAST, "budget.max_steps=1"], env={"WORLD_SIZE": "2"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "WORLD_SIZE=2 but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: launch with torchrun" in result.stderr
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The worker processes torchrun started (its children)."""
+    return [int(pid) for pid in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "scheduler"])
+def test_a_stopped_torchrun_job_stops_both_ranks_at_the_next_step_and_writes_resume_pt(wiki, tmp_path, stop):
+    """ctrl-c: a terminal's Ctrl-C reaches torchrun, which passes it on to its ranks. scheduler: a stop sent
+    to torchrun and to each rank at once, as a batch scheduler's cancel does, reaches a rank twice (the
+    second passed on by torchrun), which must not abort it; here SIGTERM to the ranks and SIGINT to
+    torchrun, as Python merges a signal that comes again before its handler has run. The ranks agree on
+    the stop through the step's own collective, however far away the next log point is. Before, they
+    agreed only at log points, and torchrun SIGKILLs its ranks once its shutdown timeout has passed: no
+    resume.pt, no summary.json."""
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m", "frontier.train", *FAST, "budget.max_steps=100000", "budget.excluded_steps=0",
+                            "train.log_every_fraction=0.5", "eval.every_fraction=0", "checkpoint.every_fraction=0",
+                            f"hydra.run.dir={run_dir}"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, start_new_session=True,
+                           env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"})
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().endswith("\n")):  # the first step is logged
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(1)
+        if stop == "ctrl-c":
+            os.killpg(job.pid, signal.SIGINT)  # torchrun's process group; its ranks have sessions of their own
+        else:
+            for pid in ranks_of(job.pid):
+                os.kill(pid, signal.SIGTERM)
+            os.kill(job.pid, signal.SIGINT)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "KILLED", stderr[-3000:]
+    assert summary["error"] in ("interrupted by SIGINT", "interrupted by SIGTERM"), summary["error"]
+    assert (run_dir / "resume.pt").exists() and "aborting at once" not in stderr, stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert 1 < summary["steps"] < 50_000 and steps[-1] == summary["steps"], (steps, summary["steps"])
