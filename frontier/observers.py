@@ -34,22 +34,36 @@ class StopRun(Exception):
 def notify(sinks: list, event: str, *args) -> None:
     """Calls `event` on every sink; one that raises is reported once (a warning) and the others still
     hear it. StopRun from on_checkpoint is honoured: raised after every sink has heard."""
-    stop = None
-    for sink in sinks:
-        handler = getattr(sink, event, None)
-        if handler is None:
-            continue
-        try:
-            handler(*args)
-        except StopRun as err:
-            if event == "on_checkpoint":
-                stop = stop or err
-            else:
+    global _event_time
+    stop, _event_time = None, time.time()
+    try:
+        for sink in sinks:
+            handler = getattr(sink, event, None)
+            if handler is None:
+                continue
+            try:
+                handler(*args)
+            except StopRun as err:
+                if event == "on_checkpoint":
+                    stop = stop or err
+                else:
+                    _warn_once(sink, event, err)
+            except Exception as err:
                 _warn_once(sink, event, err)
-        except Exception as err:
-            _warn_once(sink, event, err)
+    finally:
+        _event_time = None
     if stop is not None:
         raise stop
+
+
+_event_time: float | None = None  # while `notify` runs: when its event happened
+
+
+def event_time() -> float:
+    """When the event the sinks are hearing happened: one time for all of them, so that a point MLflow
+    gets live and the same point `sync` pushes from metrics.jsonl are one point (a store keeps a point
+    sent twice with the same key, step, value and timestamp once). Outside `notify`: now."""
+    return time.time() if _event_time is None else _event_time
 
 
 _warned: weakref.WeakSet = weakref.WeakSet()  # sinks already reported
@@ -86,10 +100,10 @@ class MetricsFile:
         return cls(run.run_dir / "metrics.jsonl", run.summary.get("resume_step"))
 
     def on_log(self, metrics: dict, step: int) -> None:
-        self._write({"step": step, "time": time.time(), **metrics})
+        self._write({"step": step, "time": event_time(), **metrics})
 
     def on_checkpoint(self, k: int, val_bpb: float, step: int, progress: float) -> None:
-        self._write({"step": step, "time": time.time(), "checkpoint": k, "val_bpb": val_bpb, "progress": progress})
+        self._write({"step": step, "time": event_time(), "checkpoint": k, "val_bpb": val_bpb, "progress": progress})
 
     def on_end(self, summary: dict, status: str, error: str | None) -> None:
         self._write(final_record(summary, status))
@@ -134,7 +148,7 @@ def read_records(path, unreadable: list[int] | None = None) -> list[dict]:
 def final_record(summary: dict, status: str) -> dict:
     """The last record of a run: its status and every finite number of its summary, at its last step."""
     numbers = {k: v for k, v in summary.items() if k not in RECORD_FIELDS and is_finite_number(v)}
-    return {"step": summary.get("steps") or 0, "time": time.time(), "final": True, "status": status, **numbers}
+    return {"step": summary.get("steps") or 0, "time": event_time(), "final": True, "status": status, **numbers}
 
 
 def is_finite_number(value) -> bool:

@@ -59,7 +59,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from frontier import lifecycle, paths
 from frontier.cli import command, unwritable
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path, store_error_line
-from frontier.observers import RECORD_FIELDS, final_record, is_finite_number, read_records
+from frontier.observers import RECORD_FIELDS, event_time, final_record, is_finite_number, read_records
 
 # MLflow's limits: param and tag value lengths, params/tags per log_batch call, metrics per call.
 MAX_PARAM_CHARS = 6000
@@ -329,10 +329,10 @@ class MlflowObserver:
         self._submit(_log_batch, self.client, self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def on_log(self, metrics: dict, step: int) -> None:
-        self._submit(self._send_points, _points(metrics, step, _now_ms()))
+        self._submit(self._send_points, _points(metrics, step, _ms(event_time())))
 
     def on_checkpoint(self, k: int, val_bpb: float, step: int, progress: float) -> None:
-        self._submit(self._send_points, _points({"val_bpb": val_bpb}, step, _now_ms()))
+        self._submit(self._send_points, _points({"val_bpb": val_bpb}, step, _ms(event_time())))
 
     def on_end(self, summary: dict, status: str, error: str | None) -> None:
         if self._thread is None:
@@ -443,7 +443,7 @@ def _points(metrics: dict, step: int, timestamp_ms: int) -> list[Metric]:
 def _record_points(record: dict) -> list[Metric]:
     """The points of one metrics.jsonl record, as the observer sent them live (a checkpoint: val_bpb)."""
     metrics = {"val_bpb": record["val_bpb"]} if "checkpoint" in record else record
-    return _points(metrics, record["step"], int(record["time"] * 1000))
+    return _points(metrics, record["step"], _ms(record["time"]))
 
 
 def _history(client: MlflowClient, run_id: str) -> set[tuple[str, int]]:
@@ -486,7 +486,7 @@ def _end_calls(client: MlflowClient, run_id: str, run_dir: Path, summary: dict, 
              (_log_curves, client, run_id, run_dir, summary)]
     if log_checkpoint and summary["status"] == "FINISHED" and (run_dir / "final.pt").exists():
         calls.append((_log_checkpoint, client, run_id, run_dir))
-    calls.append((_set_status, client, run_id, summary["status"], summary.get("error"), int(final["time"] * 1000)))
+    calls.append((_set_status, client, run_id, summary["status"], summary.get("error"), _ms(final["time"])))
     return calls
 
 
@@ -814,8 +814,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _ms(seconds: float) -> int:
+    """MLflow's timestamp of a time in seconds: the live observer and `sync` turn a record's time into
+    the same one."""
+    return int(seconds * 1000)
+
+
 def _now_ms() -> int:
-    return int(time.time() * 1000)
+    return _ms(time.time())
 
 
 def _warn(message: str) -> None:
@@ -937,7 +943,7 @@ def _end_dead_run(client: MlflowClient, run_id: str, run_dir: Path, records: lis
     ended_as = _retry(client.get_run, run_id).info.status
     if ended_as != "RUNNING":
         return f"its process ended without recording its end, and MLflow has the run {ended_as} already"
-    end_ms = int(records[-1]["time"] * 1000) if records else _now_ms()  # its last sign of life
+    end_ms = _ms(records[-1]["time"]) if records else _now_ms()  # its last sign of life
     reason = died_without_end(run_dir)
     _set_status(client, run_id, "KILLED", reason, end_ms)
     return f"status KILLED: {reason}"
@@ -1033,7 +1039,7 @@ def _synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path
     run_id = left[0] if left else None
     try:
         if run_id is None:
-            start_ms = int(records[0]["time"] * 1000) if records else None
+            start_ms = _ms(records[0]["time"]) if records else None
             run_id = _retry(client.create_run, experiment_id, start_time=start_ms, run_name=cfg.run_name,
                             tags=_clip_tags(tags)).info.run_id
         if config:

@@ -239,6 +239,49 @@ def sync(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+# A test-only sitecustomize.py: metrics.jsonl on a slow disk (NFS), 5 ms a write.
+SLOW_METRICS_FILE = """
+import time
+from frontier.observers import MetricsFile
+
+real = MetricsFile._write
+
+def slow(self, record):
+    time.sleep(0.005)
+    real(self, record)
+
+MetricsFile._write = slow
+"""
+
+
+def test_a_sync_while_the_run_sends_what_the_store_missed_adds_no_point_twice(tmp_path, server, monkeypatch):
+    """The store comes back while the run still trains, and `sync` pushes metrics.jsonl before the run's
+    own logging thread sends what it holds: both send the same points, stamped with the record's time,
+    which the store keeps once. They had two timestamps (the file's, then the observer's own, which a
+    slow write of metrics.jsonl put milliseconds later), so the store kept both."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_METRICS_FILE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(PROJECT_ROOT)]))
+    run_dir = tmp_path / "run"
+    trainer = Trainer(run_dir, [*RUN, "budget.max_steps=12", "train.log_every_fraction=0.08",
+                                f"tracking.uri={server.url}", "tracking.flush_seconds=240"])
+    stop_and_kill_server(trainer, server)
+    trainer.wait_for("the outage warning", lambda: "does not answer" in trainer.stderr)
+    trainer.wait_for("points the store missed", lambda: len(read_records(run_dir / "metrics.jsonl")) >= 3)
+    trainer.proc.send_signal(signal.SIGSTOP)  # its logging thread holds them
+    try:
+        server.start()
+        pushed = sync(run_dir)
+    finally:
+        trainer.proc.send_signal(signal.SIGCONT)
+    assert pushed.returncode == 0 and "new point(s)" in pushed.stdout, pushed.stdout + pushed.stderr
+    assert trainer.finish() == 0, trainer.stderr
+    client = MlflowClient(server.url)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert_in_mlflow_once(client, run_id, run_dir)
+
+
 def test_server_that_never_comes_back_then_sync(tmp_path, server):
     run_dir = tmp_path / "run"
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=8", "train.log_every_fraction=0.125",
