@@ -188,6 +188,26 @@ def test_a_trial_folder_written_by_another_sweep_meanwhile_is_neither_overwritte
     assert trials[1].user_attrs["fail_reason"] == reason
 
 
+def test_a_trial_that_cannot_be_started_ends_fail_saying_why(tmp_path):
+    """Its folder cannot be made (a file in its place; so fails a full disk): the trial ends FAIL with the
+    reason, where it had stayed RUNNING until another driver took it for dead, and the sweep stops with
+    one error line."""
+    storage, out = str(tmp_path / "study.journal"), tmp_path / "out"
+    out.mkdir()
+    (out / "0").write_text("")
+    done = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=2", f"sweep.storage={storage}",
+                                         "sweep.study_name=unstartable", "tracking.enabled=false"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cause = f"FileExistsError: [Errno 17] File exists: '{out / '0'}'"
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    assert [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")] == [
+        f"error: the sweep stopped: a worker failed ({cause}); each trial's summary.json and output.log are "
+        f"under {out}"], done.stderr[-3000:]
+    [trial] = load(storage, "unstartable").trials
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"] == f"it could not be started: {cause}"
+
+
 # -----------------------------------------------------------------------------
 # Supervised trials
 

@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
@@ -533,57 +534,69 @@ class Sweep:
 
     def run_trial(self, trial: optuna.Trial, slot: Slot) -> None:
         run_dir = self.sweep_dir / str(trial.number)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        found = earlier_records(run_dir)
-        if found:  # a sweep of another study writes here since this one started: neither overwritten nor read
-            reason = (f"{run_dir} holds another run's records ({', '.join(found)}), so trial {trial.number} did "
-                      "not start there; give each sweep a hydra.sweep.dir of its own")
-            end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
-            raise SweepDirTaken(reason)
-        params = [as_override(key, value) for key, value in trial.params.items()]
-        overrides = self.fixed + params
-        extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
-                 f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
-                 f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
-                 *search_path_override(self.config)]
-        if self.parent_run_id is not None:
-            extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
-        for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
-                           "device": slot.label, "driver": str(self.driver)}.items():
-            trial.set_user_attr(key, value)
-        log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}")
-        started = time.monotonic()
-        self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
+        with self.starting(trial):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            found = earlier_records(run_dir)
+            if found:  # a sweep of another study writes here since this one started: neither overwritten nor read
+                raise SweepDirTaken(f"{run_dir} holds another run's records ({', '.join(found)}), so trial "
+                                    f"{trial.number} did not start there; give each sweep a hydra.sweep.dir of "
+                                    "its own")
+            params = [as_override(key, value) for key, value in trial.params.items()]
+            overrides = self.fixed + params
+            extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
+                     f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
+                     f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
+                     *search_path_override(self.config)]
+            if self.parent_run_id is not None:
+                extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
+            for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
+                               "device": slot.label, "driver": str(self.driver)}.items():
+                trial.set_user_attr(key, value)
+            log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}")
+            started = time.monotonic()
+            self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
+            if self.launched is not None:
+                (run_dir / "output.log").write_text("")
         if self.launched is not None:  # a job of the Hydra launcher runs the trial (_launch.py)
-            (run_dir / "output.log").write_text("")
             watch = JobWatch(self.study, trial, self.trial_timeout, self.sweep.grace_period,
                              self.sweep.heartbeat_interval)
             returncode, reason = self.launched.run(overrides + extra, trial.number, run_dir,
                                                    {**slot.env, DRIVER_ENV: str(self.driver)}, watch)
             self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, reason)
             return
-        with open(run_dir / "output.log", "w") as out:
-            # a session of its own: Ctrl-C reaches the driver only, which stops each trial once;
-            # the trial learns its driver from the environment, and stops when the driver is gone
+        # a session of its own: Ctrl-C reaches the driver only, which stops each trial once;
+        # the trial learns its driver from the environment, and stops when the driver is gone
+        with self.starting(trial), open(run_dir / "output.log", "w") as out:
             process = subprocess.Popen(self.command + overrides + extra, stdout=out, stderr=subprocess.STDOUT,
                                        env={**os.environ, **slot.env, DRIVER_ENV: str(self.driver)},
                                        start_new_session=True)
-            self.processes[process] = trial
-            try:
-                trial.set_user_attr("process", str(Process.this(process.pid)))
-                returncode = self.supervise(trial, process, started)
-                self.finish_trial(trial, returncode, run_dir, time.monotonic() - started,
-                                  self.killed.get(process))
-            finally:
-                if process.poll() is None:  # the storage went away meanwhile: no trial goes on unsupervised
-                    with contextlib.suppress(Exception):  # the error that got here is the one to report
-                        self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGTERM)
-                    try:  # SIGTERM: the trial writes resume.pt and ends its MLflow run KILLED
-                        process.wait(timeout=self.sweep.grace_period)
-                    except subprocess.TimeoutExpired:
-                        signal_session(process, signal.SIGKILL)
-                        process.wait()
-                self.processes.pop(process, None)
+        self.processes[process] = trial
+        try:
+            trial.set_user_attr("process", str(Process.this(process.pid)))
+            returncode = self.supervise(trial, process, started)
+            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, self.killed.get(process))
+        finally:
+            if process.poll() is None:  # the storage went away meanwhile: no trial goes on unsupervised
+                with contextlib.suppress(Exception):  # the error that got here is the one to report
+                    self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGTERM)
+                try:  # SIGTERM: the trial writes resume.pt and ends its MLflow run KILLED
+                    process.wait(timeout=self.sweep.grace_period)
+                except subprocess.TimeoutExpired:
+                    signal_session(process, signal.SIGKILL)
+                    process.wait()
+            self.processes.pop(process, None)
+
+    @contextlib.contextmanager
+    def starting(self, trial: optuna.Trial) -> Iterator[None]:
+        """A trial that could not be started (its folder taken or not writable, a full disk, no memory to
+        fork) ends FAIL saying why, where it had stayed RUNNING until another driver took it for dead."""
+        try:
+            yield
+        except Exception as err:
+            reason = str(err) if isinstance(err, SweepDirTaken) else f"it could not be started: {store_error_line(err)}"
+            with contextlib.suppress(Exception):  # a storage that failed is the error the worker reports
+                end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+            raise
 
     def supervise(self, trial: optuna.Trial, process: subprocess.Popen, started: float) -> int:
         """Waits for the trial's process; kills it, and records the trial FAIL with why, when it runs
