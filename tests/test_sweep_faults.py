@@ -437,6 +437,47 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
         assert (tmp_path / "out" / "0" / "resume.pt").exists()
 
 
+# A test-only sitecustomize.py for the trials: a run's end reaches its first sink (metrics.jsonl) 5 s
+# after summary.json, as it can reach a slow MLflow store, before the trial tells the study.
+SLOW_END = """
+import time
+from frontier.observers import MetricsFile
+
+real = MetricsFile.on_end
+
+def slow(self, *args):
+    time.sleep(5)
+    real(self, *args)
+
+MetricsFile.on_end = slow
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_interrupted_while_its_trial_records_its_end_keeps_that_trials_value(tmp_path):
+    """Ctrl-C to the driver after the trial's summary.json says FINISHED, while its sinks are told: the
+    driver does not record it FAIL ("interrupted") over the value it is about to report."""
+    storage, out = str(tmp_path / "study.journal"), tmp_path / "out"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_END)
+    driver = subprocess.Popen(driver_command(out, *SHORT, "tracking.enabled=false", "sweep.n_trials=1",
+                                             f"sweep.storage={storage}", "sweep.study_name=ending"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])})
+    try:
+        wait_for(lambda: driver.poll() is not None or (out / "0" / "summary.json").exists(), 300,
+                 "the trial's summary.json")
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    summary = json.loads((out / "0" / "summary.json").read_text())
+    (trial,) = load(storage, "ending").trials
+    assert summary["status"] == "FINISHED" and trial.state == TrialState.COMPLETE, (trial.user_attrs, output[-3000:])
+    assert trial.value == pytest.approx(summary["val_bpb"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1"])
 def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_keeps_it(tmp_path, template_db,

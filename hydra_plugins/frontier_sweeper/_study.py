@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from frontier.cli import Composer, check_run, parse_override, unwritable
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
-from frontier.lifecycle import earlier_records
+from frontier.lifecycle import TERMINAL, earlier_records
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
@@ -622,10 +622,13 @@ class Sweep:
 
     def stop_trial(self, trial: optuna.Trial, process: subprocess.Popen, reason: str, sig: int) -> None:
         """Records the trial FAIL with `reason` first (a killed process cannot), then signals it:
-        SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one."""
+        SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one. A trial whose
+        summary.json records its end already (its sinks are being told, MLflow's can take seconds) is
+        not failed: it tells the study itself, or finish_trial does from that summary, value and all."""
         self.killed[process] = reason
         try:
-            end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
+            if read_summary(self.sweep_dir / str(trial.number)).get("status") not in TERMINAL:
+                end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
         finally:  # stopped even when the storage cannot record it
             signal_session(process, sig)
 
