@@ -444,6 +444,10 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
     state = None
     if raw.get("resume"):
         raw, run_dir, state = resume_point(raw.resume, raw.tracking)
+        if raw.trial.number is not None:
+            from frontier.trial import check_resumable
+
+            check_resumable(raw.trial, run_dir)
     try:
         plan = prepare(raw, run_dir)
     except KeyboardInterrupt as err:

@@ -28,6 +28,43 @@ WATCH_SECONDS = 1.0  # how often the trial looks for its driver on this machine
 STATE_SECONDS = 10.0  # how often it reads its own state in the study, for a driver that ended it
 
 
+def open_trial(cfg) -> tuple[optuna.Study, int]:
+    """The study and trial id that `trial.storage`, `trial.study` and `trial.number` name; one sentence
+    naming the key when one is not there."""
+    spec = study_storage(cfg.storage, cfg.study)
+    try:
+        storage = open_storage(spec, create=False)  # the driver made it
+    except FileNotFoundError:
+        raise ConfigError(f"trial.storage={safe_storage(spec)} does not exist: a trial joins the study "
+                          f"its sweep driver created") from None
+    # the sampler never runs here (the driver sampled the parameters); the pruner must be the
+    # study's, which the driver records in the study's user attributes
+    try:
+        study = optuna.load_study(study_name=cfg.study, storage=storage, sampler=optuna.samplers.RandomSampler())
+    except KeyError:
+        raise ConfigError(f"trial.study={cfg.study!r} is not a study in {safe_storage(spec)}") from None
+    study.pruner = build_pruner(**study.user_attrs.get("pruner", {"name": "none"}))
+    try:
+        return study, storage.get_trial_id_from_study_id_trial_number(study._study_id, cfg.number)
+    except KeyError:
+        raise ConfigError(f"trial.number={cfg.number} is not a trial of study {cfg.study!r}") from None
+
+
+def check_resumable(cfg, run_dir) -> None:
+    """`resume=` of a trial's run directory continues that trial only while the study has it RUNNING:
+    one that ended (its driver stopped it) takes no more reports, and the resumed run was stopped
+    again as soon as it started, every time, with exit code 130."""
+    study, trial_id = open_trial(cfg)
+    trial = study._storage.get_trial(trial_id)
+    if trial.state.is_finished():
+        why = trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason")
+        again = " ".join(trial.user_attrs.get("overrides", []))
+        raise ConfigError(f"resume={run_dir} is not allowed: it is trial {cfg.number} of study {cfg.study!r}, "
+                          f"which has ended {trial.state.name}{f' ({why})' if why else ''} and takes no more "
+                          f"reports; run its sweep again for new trials, or train these settings as a run of "
+                          f"their own: python -m frontier.train {again}")
+
+
 class TrialReporter:
     def __init__(self, run, study: optuna.Study, trial: optuna.Trial, driver: Process | None,
                  heartbeat_interval: int | None, grace_period: float):
@@ -46,24 +83,7 @@ class TrialReporter:
     @classmethod
     def for_run(cls, run) -> "TrialReporter":
         cfg = run.config.trial
-        spec = study_storage(cfg.storage, cfg.study)
-        try:
-            storage = open_storage(spec, create=False)  # the driver made it
-        except FileNotFoundError:
-            raise ConfigError(f"trial.storage={safe_storage(spec)} does not exist: a trial joins the study "
-                              f"its sweep driver created") from None
-        # the sampler never runs here (the driver sampled the parameters); the pruner must be the
-        # study's, which the driver records in the study's user attributes
-        try:
-            study = optuna.load_study(study_name=cfg.study, storage=storage,
-                                      sampler=optuna.samplers.RandomSampler())
-        except KeyError:
-            raise ConfigError(f"trial.study={cfg.study!r} is not a study in {safe_storage(spec)}") from None
-        study.pruner = build_pruner(**study.user_attrs.get("pruner", {"name": "none"}))
-        try:
-            trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, cfg.number)
-        except KeyError:
-            raise ConfigError(f"trial.number={cfg.number} is not a trial of study {cfg.study!r}") from None
+        study, trial_id = open_trial(cfg)
         # the driver is named at launch: after set-up, the parent may already be someone else
         driver = Process.parse(os.environ.get(DRIVER_ENV))
         return cls(run, study, optuna.trial.Trial(study, trial_id), driver, cfg.heartbeat_interval,

@@ -435,6 +435,18 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "KILLED"  # the trial ended itself at a step boundary
         assert (tmp_path / "out" / "0" / "resume.pt").exists()
+    if len(signals) == 1:  # resume= of that trial: one sentence, where it was stopped again every time
+        run_dir = tmp_path / "out" / "0"
+        records = [path for path in run_dir.iterdir() if path.is_file()]  # Hydra's record of commands aside
+        before = {path: path.read_bytes() for path in records}
+        again = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_dir}"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
+        assert again.stderr.splitlines()[-1].startswith(
+            f"error: resume={run_dir} is not allowed: it is trial 0 of study 'stopped', which has ended FAIL "
+            "(stopped by its driver (interrupted)) and takes no more reports; run its sweep again for new trials, "
+            "or train these settings as a run of their own: python -m frontier.train "), again.stderr[-3000:]
+        assert {path: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
 
 
 # A test-only sitecustomize.py for the trials: a run's end reaches its first sink (metrics.jsonl) 5 s
