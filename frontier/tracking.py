@@ -386,7 +386,8 @@ class MlflowObserver:
                     if not self._refused:
                         self._refused = True
                         _warn(f"{self.uri} refused a call for run {self.run_id} ({store_error_line(err)}); it is "
-                              f"skipped and logging goes on")
+                              f"skipped and logging goes on; once the store takes it, `python -m frontier.tracking "
+                              f"sync {self.run_dir}` sends what was refused")
                     return False
                 if not self._down:
                     self._down = True
@@ -426,8 +427,11 @@ class MlflowObserver:
         _send_missing(self.client, self.run_id, read_records(self.run_dir / "metrics.jsonl"), self.have)
 
     def _acknowledged(self, status: str) -> None:
+        """What the store has taken, for `sync`: after a refused call, no end it can trust, so that
+        `sync` compares point by point and sends what was refused once the store takes it."""
         lines = len(read_records(self.run_dir / "metrics.jsonl"))
-        write_ack(self.run_dir, self.uri, self.run_id, acked_records=lines, terminal_status=status)
+        write_ack(self.run_dir, self.uri, self.run_id, acked_records=lines,
+                  terminal_status=None if self._refused else status)
         self.delivered = not self._refused
 
 

@@ -29,6 +29,7 @@ from sqlalchemy.exc import SADeprecationWarning
 
 from frontier import leaderboard, tracking
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
+from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
 from frontier.trainer import train
 
@@ -511,16 +512,26 @@ def test_refused_call_is_skipped_and_the_rest_goes_on(tmp_path, store, monkeypat
         return original(self, run_id, metrics=metrics, **entities)
 
     monkeypatch.setattr(MlflowClient, "log_batch", refuse_step_3)
+    run_dir = tmp_path / "refused"
     observer = tracking.MlflowObserver.for_run(fake_run(tmp_path, "refused", uri=store))
+    sinks = [MetricsFile(run_dir / "metrics.jsonl"), observer]
     for step in range(1, 6):
-        observer.on_log({"train/loss": 5.0 / step}, step)
-    observer.on_end({"val_bpb": 1.5, "steps": 5}, "FINISHED", None)
+        notify(sinks, "on_log", {"train/loss": 5.0 / step}, step)
+    summary = {"val_bpb": 1.5, "steps": 5, "status": "FINISHED", "error": None}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    notify(sinks, "on_end", summary, "FINISHED", None)
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
     assert len(warnings) == 1 and "refused" in warnings[0], warnings
+    assert f"python -m frontier.tracking sync {run_dir}" in warnings[0]
     client = MlflowClient(store)
     run = client.get_run(observer.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == 1.5
     assert [m.step for m in client.get_metric_history(observer.run_id, "train/loss")] == [1, 2, 4, 5]
+
+    monkeypatch.undo()  # the store takes it now (a renewed token): sync sends what was refused, once
+    assert "1 new point(s), status FINISHED" in tracking.sync(run_dir)
+    assert [m.step for m in client.get_metric_history(observer.run_id, "train/loss")] == [1, 2, 3, 4, 5]
+    assert "already in sync" in tracking.sync(run_dir)
 
 
 def test_a_store_error_is_named_by_the_database_s_own_words(tmp_path, store, monkeypatch, capfd):
