@@ -485,13 +485,14 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         life.notify("on_start", summary)
         with display, lifecycle.deferred_signals():
             stopped = loop(run, display, life, started)
+            trained = stopped is None  # here, where a signal cannot land between the loop and this
         if stopped is not None:
             status, error = "KILLED", stopped
             if run.clock.steps > 0 and run.world.is_main:
                 save_resume(run)
                 display.note(f"stopped at step {run.clock.steps} ({stopped}); continue with resume={run_dir}")
             raise lifecycle.Killed(stopped)
-        trained = True
+        lifecycle.raise_if_stopped()  # one that came after the loop's last look ends the run here, trained
         if run.config.compile_only:  # compiled and warmed up: nothing trained to evaluate
             summarize(run, None, 0)
             status = "COMPILED"

@@ -195,7 +195,8 @@ def test_a_sigint_the_launching_shell_ignores_stays_ignored_and_sigterm_still_st
 # A test-only sitecustomize.py (put on PYTHONPATH) that reaches into a CLI run: it can slow each
 # forward, backward and optimizer step, send the process SIGTERM at one exact moment of one step
 # (FRONTIER_TEST_SIGNAL="forward:2" = inside the 2nd step of this launch; "backward:K",
-# "between_optimizers:K"; a "twice:" prefix sends a second signal right after).
+# "between_optimizers:K"; "loop_end:K" as the loop ends after K steps; a "twice:" prefix sends a second
+# signal right after).
 SITECUSTOMIZE = """
 import os, signal, time
 
@@ -247,6 +248,17 @@ if spec or slow:
     register_module_forward_pre_hook(on_forward)
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
+
+    if phase == "loop_end":  # as the loop's display closes: after its last look for a stop
+        from frontier.progress import RunDisplay
+
+        display_exit = RunDisplay.__exit__
+
+        def closing_display(self, *exc):
+            moment("loop_end", done["steps"])
+            return display_exit(self, *exc)
+
+        RunDisplay.__exit__ = closing_display
 """
 
 
@@ -351,6 +363,25 @@ def test_a_stop_in_the_last_step_ends_the_run_killed_and_no_loss_goes_unlogged(w
             assert summary["status"] == "KILLED" and summary["val_bpb"] is None, summary
             assert (run_dir / "resume.pt").is_file() and not (run_dir / "final.pt").exists()
     assert summary["status"] == "FINISHED" and summary["val_bpb"] is not None and (run_dir / "final.pt").is_file()
+
+
+@pytest.mark.slow
+def test_a_stop_as_the_loop_ends_keeps_the_trained_run_resumable(wiki, tmp_path):
+    """SIGTERM after the loop's last look for a stop, before the final evaluation: the run ends KILLED with
+    resume.pt at its last step (it had ended with none, all its training lost), and resume= evaluates."""
+    run_dir = tmp_path / "run"
+    proc = cli([*FAST, "precision=fp32", "budget.max_steps=4", "train.batch_tokens=1024", "train.device_batch_rows=2",
+                "eval.every_fraction=0", "checkpoint.every_fraction=0", f"hydra.run.dir={run_dir}"],
+               env=hooked_env(tmp_path, FRONTIER_TEST_SIGNAL="loop_end:4"))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    summary = strict_json(run_dir / "summary.json")
+    assert (summary["status"], summary["steps"]) == ("KILLED", 4) and (run_dir / "resume.pt").is_file(), summary
+    resumed = cli([f"resume={run_dir}"])
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    summary = strict_json(run_dir / "summary.json")
+    assert (summary["status"], summary["steps"]) == ("FINISHED", 4) and math.isfinite(summary["val_bpb"])
 
 
 @pytest.mark.slow
