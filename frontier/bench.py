@@ -25,7 +25,7 @@ from rich.table import Table
 
 import kernels
 from frontier import paths
-from frontier.cli import check_command_line, command
+from frontier.cli import check_command_line, command, unwritable
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
@@ -54,12 +54,23 @@ class RandomRows:
 
 
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
+    for arg in argv:
+        if arg.startswith("-"):  # not Hydra's command line: its options would be read as overrides
+            raise ConfigError(f"{arg} is not allowed: frontier.bench takes bench.KEY=VALUE and trainer overrides "
+                              "only (see README, Speed: frontier.bench)")
     mine = [a[len("bench."):] for a in argv if a.startswith("bench.")]
     try:
         bench = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
                                                     OmegaConf.from_dotlist(mine)))
     except OmegaConfBaseException as err:
         raise ConfigError(f"bench: {error_line(err, named=False)}") from None
+    for key, least in (("warmup", 0), ("steps", 1), ("profile", 0)):
+        if getattr(bench, key) < least:
+            raise ConfigError(f"bench.{key}={getattr(bench, key)} is not allowed: must be at least {least}")
+    found = unwritable(Path(bench.output).absolute().parent) if bench.output is not None else None
+    if found:  # found now, not after the whole benchmark has run
+        raise ConfigError(f"bench.output={bench.output} is not allowed: its folder cannot be created ({found[1]}); "
+                          f"{found[0]} is not a writable directory")
     for group, names, options in (("model", bench.models, presets("model")),
                                   ("kernel", bench.kernels, kernels.PRESETS)):
         unknown = [name for name in names if name not in options]

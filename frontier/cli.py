@@ -60,10 +60,15 @@ def command(entry: Callable) -> Callable:
             return entry(*args, **kwargs)
         except KeyboardInterrupt:
             _exit_interrupted(previous)
-        except Exception:
-            if not _interrupted.is_set():
+        except Exception as err:
+            if _interrupted.is_set():
+                _exit_interrupted(previous)
+            refused = refused_path(err, sys.argv[1:], NAME_ERRORS)
+            if refused is None:
                 raise
-            _exit_interrupted(previous)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {refused}", file=sys.stderr)
+            raise SystemExit(2) from None
         finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
             for signum, handler in previous.items():
                 if signal.getsignal(signum) is _on_interrupt:
@@ -73,6 +78,30 @@ def command(entry: Callable) -> Callable:
 
 
 _interrupted = threading.Event()  # set by the handler `command` installs; errors after it are its doing
+NAME_ERRORS = (errno.ENAMETOOLONG, errno.ELOOP)  # a path the OS refuses by its shape, whoever touches it
+
+
+def refused_path(err: BaseException, argv: list[str], errors: tuple[int, ...]) -> Optional[str]:
+    """A path the OS refuses by its shape (a name too long, a symlink loop; with ENOTDIR, a file where a
+    folder goes) as one sentence naming the argument that gave it, or None for any other error. These
+    come from wherever the path is first touched (a check, Hydra's set-up, pathlib), never as a mistake."""
+    if isinstance(err, OSError) and err.errno in errors:
+        path, reason = err.filename, os.strerror(err.errno)
+    elif isinstance(err, RuntimeError) and str(err).startswith("Symlink loop from") and errno.ELOOP in errors:
+        path, reason = str(err).partition("from ")[2].strip("'\""), os.strerror(errno.ELOOP)  # pathlib, Python < 3.13
+    else:
+        return None
+    path = str(path) if path is not None else ""
+    for arg in reversed(argv):
+        value = arg.partition("=")[2] or arg
+        if path and value and (value in path or path in value):
+            return f"{clipped(arg)} is not allowed: {reason}" + (f" ({clipped(path)})" if path != value else "")
+    return f"{clipped(path) or 'a path'} is not allowed: {reason}"
+
+
+def clipped(text: str, limit: int = 120) -> str:
+    """A value as an error line shows it: a very long one by its start and its length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _exit_interrupted(taken: dict) -> NoReturn:
@@ -152,12 +181,27 @@ def hydra_raises():
             os.environ["HYDRA_FULL_ERROR"] = before
 
 
+PATH_SHAPE_ERRORS = (*NAME_ERRORS, errno.ENOTDIR)  # before the task runs, a file where a folder goes too
+
+
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:
     if isinstance(err, ConfigError):
         return True
-    if isinstance(err, (HydraException, OmegaConfBaseException)):
+    if isinstance(err, (HydraException, OmegaConfBaseException)) or logging_refused(err) \
+            or refused_path(err, [], PATH_SHAPE_ERRORS) is not None:
         return not raised_in(err, task.__code__)  # from the task's own code it is a bug, not the command line's
     return isinstance(err, user_errors())
+
+
+def logging_refused(err: BaseException) -> bool:
+    """Hydra's logging set-up refused `hydra.job_logging` / `hydra.hydra_logging` (a level that is none,
+    a log file that cannot be opened): Python's logging.config raised it."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("logging", "config.py")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def raised_in(err: BaseException, code) -> bool:
@@ -172,6 +216,13 @@ def raised_in(err: BaseException, code) -> bool:
 def one_sentence(err: BaseException) -> str:
     if isinstance(err, ConfigError):
         return str(err)
+    refused = refused_path(err, sys.argv[1:], PATH_SHAPE_ERRORS)
+    if refused is not None:
+        return refused
+    if logging_refused(err):
+        cause = err.__cause__ or err.__context__
+        return (f"hydra.job_logging / hydra.hydra_logging is not allowed as given: {error_line(err, named=False)}"
+                + (f" ({error_line(cause)})" if cause is not None else ""))
     text = error_line(err, named=False)
     cause = err.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
@@ -267,6 +318,8 @@ def parse_override(arg: str) -> Override:
             return override
     except HydraException:
         pass
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ConfigError(f"{clipped(arg)} is not allowed: {error_line(err, named=False)}") from None
     if "=" not in arg and not arg.startswith("~"):
         raise ConfigError(f"{arg!r} is not allowed: an override is KEY=VALUE (e.g. {arg}=...), "
                           f"+KEY=VALUE or ~KEY; grammar: {GRAMMAR}")

@@ -57,7 +57,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import lifecycle, paths
-from frontier.cli import command, unwritable
+from frontier.cli import NAME_ERRORS, command, refused_path, unwritable
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path, store_error_line
 from frontier.observers import RECORD_FIELDS, event_time, final_record, is_finite_number, read_records
 
@@ -1088,6 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the store failed part way: what was sent stays, the next sync sends the rest
+        if refused_path(err, args[1:], NAME_ERRORS) is not None:
+            raise  # a path the OS refuses by its shape: frontier.cli.command says it, exit code 2
         print(f"error: sync of {args[1]} stopped ({store_error_line(err)}); run it again when the store answers",
               file=sys.stderr)
         return 1

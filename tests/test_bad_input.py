@@ -446,3 +446,52 @@ def test_a_journal_on_a_read_only_disk_is_one_sentence(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: sweep.storage='{journal}' is not allowed: a journal's lock files are made beside it, and {disk} "
         "is not a writable directory (Read-only file system)"), result.stderr[-3000:]
+
+
+LONG = "a" * 300  # longer than a file name may be (255 bytes)
+
+
+@pytest.mark.parametrize("module, args, key, reason", [
+    ("frontier.train", [*FAST, "budget.max_steps=1", "hydra.run.dir={tmp}/" + LONG], "hydra.run.dir", "File name too long"),
+    ("frontier.train", [*FAST, "budget.max_steps=1", "data.path={tmp}/" + LONG], "data.path", "File name too long"),
+    ("frontier.train", ["resume={tmp}/" + LONG], "resume", "File name too long"),
+    ("frontier.train", [*FAST, "budget.max_steps=1", "hydra.run.dir={tmp}/loop/run"], "hydra.run.dir",
+     "Too many levels of symbolic links"),
+    ("frontier.train", [*FAST, "budget.max_steps=1", "data.path={tmp}/loop/data"], "data.path",
+     "Too many levels of symbolic links"),
+    ("frontier.train", [*FAST, "model.depth=" + "9" * 5000], "model.depth", "Exceeds the limit (4300 digits)"),
+    ("frontier.eval", ["checkpoint={tmp}/" + LONG], "checkpoint", "File name too long"),
+    ("frontier.sweep_report", ["study=s", "storage={tmp}/" + LONG + ".journal"], "storage", "File name too long"),
+    ("frontier.leaderboard", ["tracking.uri=sqlite:///{tmp}/" + LONG + ".db"], "tracking.uri", "File name too long"),
+    ("frontier.tracking", ["sync", "{tmp}/" + LONG], "{tmp}/", "File name too long"),
+    ("frontier.bench", ["--help"], "--help", "frontier.bench takes bench.KEY=VALUE and trainer overrides only"),
+    ("frontier.bench", ["bench.steps=0"], "bench.steps", "must be at least 1"),
+    ("frontier.bench", ["bench.output={tmp}/file/bench.json"], "bench.output", "its folder cannot be created"),
+], ids=["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
+        "data.path in a symlink loop", "a 5000-digit integer", "eval", "sweep_report", "leaderboard", "sync",
+        "bench --help", "bench.steps=0", "bench.output under a file"])
+def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(tmp_path, module, args, key, reason):
+    """A name too long, a symlink loop, a number Python will not read: wherever the path is first touched
+    (a check, Hydra's set-up, pathlib) it had been a traceback; and frontier.bench read Hydra's options
+    as overrides and failed deep inside."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "file").write_text("")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[-1].startswith(f"error: {key.replace('{tmp}', str(tmp_path))}") and reason in lines[-1], lines
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ("hydra.job_logging.root.level=NOPE", "Unable to configure root logger (ValueError: Unknown level: 'NOPE')"),
+    ("hydra.job_logging.handlers.file.filename={tmp}/file/x.log", "Unable to configure handler 'file'"),
+    ("hydra.output_subdir={tmp}/file/x", "hydra.output_subdir={tmp}/file/x is not allowed: Not a directory"),
+], ids=["a level that is none", "a log file under a file", "output_subdir under a file"])
+def test_what_hydra_s_own_set_up_refuses_is_one_sentence_exit_2(tmp_path, setting, reason):
+    (tmp_path / "file").write_text("")
+    setting, reason = setting.replace("{tmp}", str(tmp_path)), reason.replace("{tmp}", str(tmp_path))
+    result = run_cli([*FAST, "budget.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}", setting], timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith("error: ") and reason in result.stderr, result.stderr
