@@ -45,6 +45,7 @@ from frontier.config import ConfigError, error_line, key_hint, register_schemas,
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 GRID_LIMIT = 10_000  # runs in one --multirun grid: each is a budgeted training run
+FRONTIER_SWEEPER = "hydra_plugins.frontier_sweeper.frontier_sweeper.FrontierSweeper"  # as its plugin registers it
 
 
 def command(entry: Callable) -> Callable:
@@ -291,6 +292,12 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
         for key in ("hydra.sweep.subdir", "hydra.job.name", "hydra.output_subdir"):
             selected(master, key)
         if master.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides,
+            sweeper = master.hydra.sweeper.get("_target_", "")
+            if sweeper != FRONTIER_SWEEPER:  # another sweeper would run the base config, the search dropped
+                chosen = next((o.input_line for o in overrides if o.key_or_group == "hydra/sweeper"), sweeper)
+                raise ConfigError(f"{chosen} is not allowed with sweep={master.sweep.name}: only the frontier "
+                                  "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
+                                  "another would train the base config and drop the search space")
             check_run(app, master, overrides, check)  # and its sweeper checks the trials' values
             return
         for point in grid(master, overrides):  # Hydra's grid: every point must be a valid run

@@ -43,6 +43,8 @@ BAD = [
     (["sweep=nope"], "sweep=nope is not allowed: sweep has no such option; choose one of arch"),
     (["model=[a]"], f"model=[a] is not allowed: model has no such option; choose one of {MODELS}"),
     (["hydra/sweeper=nope"], "hydra/sweeper=nope is not allowed: hydra/sweeper has no such option"),
+    (["--multirun", "sweep=lr", "hydra/sweeper=basic"],
+     "hydra/sweeper=basic is not allowed with sweep=lr: only the frontier sweeper"),
     # values of the wrong type
     (["model.depth=abc"], "model.depth=abc is not allowed: must be an integer"),
     (["model.depth=1.5"], "model.depth=1.5 is not allowed: must be an integer"),
