@@ -78,9 +78,9 @@ def main(argv: list[str]) -> dict:
     given = {arg.partition("=")[0] for arg in argv}
     if command.core:  # a damaged bundle is found before the checkpoint is loaded
         check_bundle(str(command.eval.core_bundle))
-    device = resolve_device(command.device, command.precision)
     path, run_id = find_checkpoint(command)
     saved = read_checkpoint(path, "checkpoint=")["config"]  # the run's config, read once
+    device = resolve_device(command.device, command.precision)  # after: a bad checkpoint is its one line
     as_the_run(command, saved, given)
     model = load_for_eval(path, device.torch_device)
     tokenizer = load_tokenizer(path)

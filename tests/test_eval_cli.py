@@ -54,11 +54,14 @@ def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
     (["checkpoint=/no/such/final.pt"], "checkpoint=/no/such/final.pt is not allowed: the file does not exist"),
     (["checkpoint=x.pt", "colour=red"], "colour=red is not allowed: frontier.eval has no key 'colour'"),
     (["checkpoint=x.pt", "device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
+    (["checkpoint=README.md"], "checkpoint=README.md is not allowed: it is truncated, damaged or not a torch"),
 ])
 def test_eval_command_bad_input(args, message):
+    """One line: a bad checkpoint is found before the device is set up (which says its precision)."""
     result = subprocess.run([sys.executable, "-m", "frontier.eval", *args], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
 
 
 def test_a_bundle_without_core_yaml_fails_before_training(tmp_path):
