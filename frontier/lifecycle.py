@@ -444,7 +444,22 @@ def writing(path: Path, *temporaries: Path) -> Iterator[None]:
                 tmp.unlink()
         if not isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
             raise
+        stop = interrupted_by(err)
+        if stop is not None:  # a signal inside torch.save's write to the file: a stop, not a failed write
+            raise stop
         raise RunWriteError(f"cannot write {path}: {write_failure(err)}") from None
+
+
+def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt an error was raised while handling: torch.save writing to a Python file turns
+    one raised inside the file's write() into "[enforce fail ...] unexpected pos", which had ended a
+    stopped run FAILED ("cannot write final.pt") rather than KILLED."""
+    cause = err.__cause__ or err.__context__
+    for _ in range(8):  # a short chain; bounded because a chain can loop back
+        if cause is None or isinstance(cause, KeyboardInterrupt):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def write_failure(err: BaseException) -> str:

@@ -365,6 +365,58 @@ def test_a_stop_in_the_last_step_ends_the_run_killed_and_no_loss_goes_unlogged(w
     assert summary["status"] == "FINISHED" and summary["val_bpb"] is not None and (run_dir / "final.pt").is_file()
 
 
+# A test-only sitecustomize.py: SIGTERM inside the file's write() as torch.save writes final.pt.
+SIGNAL_IN_FINAL_WRITE = """
+import os, signal, time
+import torch
+
+real_save = torch.save
+
+class Signalled:
+    def __init__(self, file):
+        self.file, self.writes = file, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the handler runs in here
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+def save(obj, f, *args, **kwargs):
+    if str(getattr(f, "name", "")).endswith("final.tmp"):
+        f = Signalled(f)
+    return real_save(obj, f, *args, **kwargs)
+
+torch.save = save
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_while_final_pt_is_written_ends_the_run_killed_and_resumable(wiki, tmp_path):
+    """torch.save turns a KeyboardInterrupt raised in the file's write() into "unexpected pos": the run
+    had ended FAILED ("cannot write final.pt", exit 1); it is a stop, KILLED with resume.pt, and resume=
+    evaluates again."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SIGNAL_IN_FINAL_WRITE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
+    proc = cli([*FAST, "precision=fp32", "budget.max_steps=4", "train.batch_tokens=1024", "train.device_batch_rows=2",
+                "eval.every_fraction=0", "checkpoint.every_fraction=0", f"hydra.run.dir={run_dir}"], env=env)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    summary = strict_json(run_dir / "summary.json")
+    assert (summary["status"], summary["error"]) == ("KILLED", "interrupted by SIGTERM"), summary
+    assert (run_dir / "resume.pt").is_file() and not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+    resumed = cli([f"resume={run_dir}"])
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert strict_json(run_dir / "summary.json")["status"] == "FINISHED" and (run_dir / "final.pt").is_file()
+
+
 @pytest.mark.slow
 def test_a_stop_as_the_loop_ends_keeps_the_trained_run_resumable(wiki, tmp_path):
     """SIGTERM after the loop's last look for a stop, before the final evaluation: the run ends KILLED with
