@@ -21,10 +21,11 @@ import signal
 import sys
 import tempfile
 import threading
+import types
 import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import hydra
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -197,21 +198,19 @@ def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple])
 def logging_refused(err: BaseException) -> bool:
     """Hydra's logging set-up refused `hydra.job_logging` / `hydra.hydra_logging` (a level that is none,
     a log file that cannot be opened): Python's logging.config raised it."""
-    tb = err.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("logging", "config.py")):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(code.co_filename.endswith(os.path.join("logging", "config.py")) for code in traced(err))
 
 
 def raised_in(err: BaseException, code) -> bool:
+    return any(traced_code is code for traced_code in traced(err))
+
+
+def traced(err: BaseException) -> Iterator[types.CodeType]:
+    """The code of each frame `err` passed through, outermost first."""
     tb = err.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code is code:
-            return True
+        yield tb.tb_frame.f_code
         tb = tb.tb_next
-    return False
 
 
 def one_sentence(err: BaseException) -> str:

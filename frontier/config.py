@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -41,6 +41,17 @@ def error_line(err: BaseException, *, named: bool = True) -> str:
     return f"{type(err).__name__}: {text}" if named else text
 
 
+def raised_from(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then the error it was raised from or while handling, and so on: a short chain, bounded
+    because a chain can loop back."""
+    cause: BaseException | None = err
+    for _ in range(8):
+        if cause is None:
+            return
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
 def store_error_line(err: BaseException) -> str:
     """An error of a store (MLflow's, Optuna's) as one line, naming the database driver's own error where
     MLflow, Optuna and SQLAlchemy wrap one: their text can open with a note of where it happened ("(raised
@@ -48,14 +59,10 @@ def store_error_line(err: BaseException) -> str:
     in the commit" for any failed commit, either of which would hide the cause."""
     import sqlalchemy.exc  # installed with MLflow and Optuna; imported only once a store has failed
 
-    cause: BaseException | None = err
-    for _ in range(8):  # a short chain; bounded because a chain can loop back
-        if cause is None:
-            break
+    for cause in raised_from(err):
         if isinstance(cause, sqlalchemy.exc.DBAPIError) and isinstance(cause.orig, BaseException):
             driver = type(cause.orig)
             return f"{driver.__module__}.{driver.__qualname__}: {error_line(cause.orig, named=False)}"
-        cause = cause.__cause__ or cause.__context__
     if type(err).__name__ == "StorageInternalError" and err.__cause__ is not None:  # optuna.exceptions'
         return error_line(err.__cause__)
     return error_line(err)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from frontier.config import ConfigError, error_line
+from frontier.config import ConfigError, error_line, raised_from
 from frontier.observers import MetricsFile, notify
 
 ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
@@ -454,19 +454,10 @@ def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt an error was raised while handling: torch.save writing to a Python file turns
     one raised inside the file's write() into "[enforce fail ...] unexpected pos", which had ended a
     stopped run FAILED ("cannot write final.pt") rather than KILLED."""
-    cause = err.__cause__ or err.__context__
-    for _ in range(8):  # a short chain; bounded because a chain can loop back
-        if cause is None or isinstance(cause, KeyboardInterrupt):
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    return None
+    return next((cause for cause in raised_from(err) if isinstance(cause, KeyboardInterrupt)), None)
 
 
 def write_failure(err: BaseException) -> str:
     """The OS's reason ("No space left on device") where the error or one it was raised from has one."""
-    cause = err
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno:
-            return os.strerror(cause.errno)
-        cause = cause.__cause__ or cause.__context__
-    return error_line(err, named=False)
+    code = next((cause.errno for cause in raised_from(err) if isinstance(cause, OSError) and cause.errno), None)
+    return os.strerror(code) if code else error_line(err, named=False)

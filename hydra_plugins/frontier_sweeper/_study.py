@@ -362,7 +362,7 @@ class Sweep:
         reached belongs to another study's sweep, whose outputs this one would write over."""
         theirs = [number for number in held if number >= trials]
         if theirs:
-            shown = ", ".join(str(self.sweep_dir / str(n)) for n in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            shown = ", ".join(str(self.trial_dir(n)) for n in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
             raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: another sweep's trials left their "
                               f"outputs there ({shown}), which the trials of study {self.study_name!r} would write "
                               "over; give this sweep a directory of its own")
@@ -532,8 +532,12 @@ class Sweep:
         finally:
             done.set()
 
+    def trial_dir(self, number: int) -> Path:
+        """Where trial `number` runs: <hydra.sweep.dir>/N."""
+        return self.sweep_dir / str(number)
+
     def run_trial(self, trial: optuna.Trial, slot: Slot) -> None:
-        run_dir = self.sweep_dir / str(trial.number)
+        run_dir = self.trial_dir(trial.number)
         with self.starting(trial):
             run_dir.mkdir(parents=True, exist_ok=True)
             found = earlier_records(run_dir)
@@ -627,7 +631,7 @@ class Sweep:
         not failed: it tells the study itself, or finish_trial does from that summary, value and all."""
         self.killed[process] = reason
         try:
-            if read_summary(self.sweep_dir / str(trial.number)).get("status") not in TERMINAL:
+            if read_summary(self.trial_dir(trial.number)).get("status") not in TERMINAL:
                 end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
         finally:  # stopped even when the storage cannot record it
             signal_session(process, sig)
