@@ -332,7 +332,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
         return last > 5 and last % 5 != 0
 
     trainer.wait_for("steps after a checkpoint", logged_past_checkpoint)
-    trainer.proc.send_signal(signal.SIGSTOP)
+    freeze_between_writes(trainer, tmp_path / "mlflow.db")
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     # While its process lives (frozen here), no second process may write into the run directory.
     hydra_record = (run_dir / ".hydra" / "config.yaml").read_text()
