@@ -5,6 +5,10 @@ of every model x kernel configuration in the grid (the trainer's own step, on ra
 each op's forward+backward time per kernel backend against its reference. Figures, not tests. On a
 CPU the step and the matmul are also timed in process CPU time, so that their ratio (the share of
 the matmul rate a step reaches) and the speed-ups stay fair on a machine other jobs share.
+
+bench keys: models=[tiny] (model presets), kernels=[reference,compiled], warmup=2, steps=5, ops=true,
+output=PATH (the rows as JSON), mlflow=false (log them to the experiment "bench"), profile=0 (top ops
+of one profiled step). Any other override is the trainer's, e.g. model.seq_len=512 precision=fp32.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from rich.table import Table
 
 import kernels
 from frontier import paths
-from frontier.cli import check_command_line, command, unwritable
+from frontier.cli import check_command_line, command, print_help_if_asked, unwritable
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
 
@@ -344,6 +348,7 @@ def log_to_mlflow(report: dict, raw) -> None:
 @command
 def cli() -> None:
     """`python -m frontier.bench` and the `frontier-bench` command."""
+    print_help_if_asked(sys.argv[1:], __doc__)
     try:
         main(sys.argv[1:])
     except ConfigError as err:

@@ -7,7 +7,7 @@ command line is parsed and composed as Hydra will compose it, and every run it d
 point of a `--multirun` grid) is built into its typed config with every range check
 (frontier.config.to_config). Whatever Hydra, OmegaConf or a ConfigError still raises later (the
 sweeper's own checks, for one) outside the task function is turned into one sentence as well.
-Showing commands (--help, --info, --cfg) are passed to Hydra unchecked.
+`--cfg` shows a config that passes the same checks; --help and --info are passed to Hydra unchecked.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import (create_automatic_config_search_path, detect_calling_file_or_module_from_task_function,
                                    detect_task_name, get_args_parser)
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
@@ -42,7 +43,7 @@ from omegaconf.errors import (InterpolationKeyError, InterpolationResolutionErro
                               OmegaConfBaseException, ValidationError)
 
 import frontier
-from frontier.config import ConfigError, error_line, key_hint, register_schemas, to_config
+from frontier.config import SCHEMA_NAME, ConfigError, error_line, key_hint, register_schemas, to_config
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 GRID_LIMIT = 10_000  # runs in one --multirun grid: each is a budgeted training run
@@ -81,6 +82,13 @@ def command(entry: Callable) -> Callable:
 
 _interrupted = threading.Event()  # set by the handler `command` installs; errors after it are its doing
 NAME_ERRORS = (errno.ENAMETOOLONG, errno.ELOOP)  # a path the OS refuses by its shape, whoever touches it
+
+
+def print_help_if_asked(argv: list[str], usage: str) -> None:
+    """-h or --help among a side command's arguments: its usage on stdout and exit 0, as argparse does."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage.strip())
+        raise SystemExit(0)
 
 
 def refused_path(err: BaseException, argv: list[str], errors: tuple[int, ...]) -> Optional[str]:
@@ -248,8 +256,20 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                          for arg in args.overrides):
         raise ConfigError("--shell-completion is not allowed alone: add install=SHELL, uninstall=SHELL or "
                           "query=SHELL (e.g. install=bash)")
+    if args.config_dir is not None and not Path(args.config_dir).is_dir():
+        raise ConfigError(f"--config-dir={args.config_dir} is not allowed: it is not a directory")
+    config_name = args.config_name or config_name
+    if not args.shell_completion:  # Hydra's "Cannot find primary config" names neither the option nor the choices
+        with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+            choices = app.primary_configs()
+            if not app.primary_exists() and args.config_path is not None and not choices:
+                raise ConfigError(f"--config-path={args.config_path} is not allowed: no config is there (it "
+                                  "takes a folder of YAML configs; a relative path is read from the frontier package)")
+            if not app.primary_exists():
+                raise ConfigError(f"--config-name={config_name} is not allowed: there is no such primary config; "
+                                  f"choose one of {', '.join(choices)}")
     if args.cfg and args.package not in (None, "_global_"):
-        with composer(task, args.config_path or config_path, args.config_name or config_name, args.config_dir) as app:
+        with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
             cfg = app.compose([parse_override(arg) for arg in args.overrides], RunMode.RUN)
         top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
         shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
@@ -259,13 +279,11 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             found = True
         if not shown or not found:
             raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
-    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
         return  # they only show things; Hydra's errors there still become one sentence
     overrides = [parse_override(arg) for arg in args.overrides]
-    if args.config_dir is not None and not Path(args.config_dir).is_dir():
-        raise ConfigError(f"--config-dir={args.config_dir} is not allowed: it is not a directory")
-    with composer(task, args.config_path or config_path, args.config_name or config_name, args.config_dir) as app:
-        mode = app.mode(overrides, args.multirun)
+    with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+        mode = RunMode.RUN if args.cfg else app.mode(overrides, args.multirun)  # --cfg shows one run's config
         if mode == RunMode.RUN:
             for override in overrides:
                 if override.is_sweep_override() and not override.is_hydra_override():
@@ -274,6 +292,8 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                       "comma: key='a,b'; a list is key=[a,b])")
             cfg = app.compose(overrides, RunMode.RUN)
             check_run(app, cfg, overrides, check)
+            if args.cfg:
+                return  # the config is only shown: nothing is written
             check_writable(cfg, "hydra.run.dir")
             check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
@@ -373,6 +393,14 @@ class Composer:
     def _compose(self, lines: list[str], mode: RunMode) -> DictConfig:
         return self.app.compose_config(config_name=self.config_name, overrides=list(lines), run_mode=mode,
                                        with_log_configuration=False, from_shell=True)
+
+    def primary_exists(self) -> bool:
+        return self.app.config_loader.repository.config_exists(self.config_name)
+
+    def primary_configs(self) -> list[str]:
+        """The config names --config-name can take (Hydra's placeholder and the bare schema left out)."""
+        names = self.app.config_loader.get_group_options("", results_filter=ObjectType.CONFIG)
+        return [name for name in names if not name.startswith("_") and name != SCHEMA_NAME]
 
     def options(self, group: str) -> list[str]:
         return self.app.config_loader.get_group_options(group) if self.is_group(group) else []

@@ -487,8 +487,11 @@ class Config:
                  f"must divide the {rows_per_step} rows of a step (train.batch_tokens / model.seq_len)")
 
 
+SCHEMA_NAME = "frontier_schema"  # the typed config a primary config builds on
+
+
 def register_schemas() -> None:
-    ConfigStore.instance().store(name="frontier_schema", node=Config)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
 
 
 def to_config(cfg: DictConfig) -> Config:

@@ -1,5 +1,10 @@
 """`python -m frontier.eval checkpoint=PATH | run_id=ID [key=value ...]`: CORE (and optionally
-val_bpb) of a finished run, logged to its MLflow run as `core`, `core_tasks` and `core/<task>`."""
+val_bpb) of a finished run, logged to its MLflow run as `core`, `core_tasks` and `core/<task>`.
+
+Keys: checkpoint (a run's final.pt) or run_id (an MLflow run, whose checkpoint is found and to which
+the figures go); device=auto|cpu|cuda|cuda:N|neuron; precision=auto|bf16|fp32; core=true;
+val_bpb=false; eval.KEY and tracking.KEY as in training (e.g. eval.core_max_per_task=50).
+"""
 from __future__ import annotations
 
 import json
@@ -12,7 +17,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from frontier.cli import command
+from frontier.cli import command, print_help_if_asked
 from frontier.config import (ConfigError, DataConfig, EvalConfig, TrackingConfig, check_device, error_line,
                              key_hint)
 
@@ -147,6 +152,7 @@ def cli() -> None:
     from frontier.core import CoreBundleError
     from frontier.data import DataError
 
+    print_help_if_asked(sys.argv[1:], __doc__)
     try:
         main(sys.argv[1:])
     except (ConfigError, CoreBundleError, DataError, FileNotFoundError, ValueError) as err:

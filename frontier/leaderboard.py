@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from mlflow import MlflowClient
 
-from frontier.cli import command
+from frontier.cli import command, print_help_if_asked
 from frontier.config import ConfigError, TrackingConfig, error_line, key_hint
 from frontier.paths import sqlite_path
 from frontier.tracking import RUN_KIND_TAG, probe_store, tracking_uri
@@ -40,7 +40,7 @@ def _normalise(values: list[float], higher_is_better: bool) -> list[float]:
     return [(v - lo) / (hi - lo) if higher_is_better else (hi - v) / (hi - lo) for v in values]
 
 
-def load_rows(client: MlflowClient, experiment_id: str, budget: str | None = None) -> list[dict]:
+def load_rows(client: MlflowClient, experiment_id: str) -> list[dict]:
     """One row per finished training run with a finite val_bpb (sweep parents left out)."""
     rows, token = [], None
     while True:
@@ -51,16 +51,13 @@ def load_rows(client: MlflowClient, experiment_id: str, budget: str | None = Non
             bpb = metrics.get("val_bpb")
             if tags.get(RUN_KIND_TAG) == "sweep" or bpb is None or not math.isfinite(bpb):
                 continue
-            run_budget = params.get("budget.name", tags.get("budget", "?"))
-            if budget is not None and run_budget != budget:
-                continue
             rows.append({
                 "run_id": run.info.run_id,
                 "name": run.info.run_name or run.info.run_id[:8],
                 "val_bpb": bpb,
                 "core": metrics.get("core"),
                 "tokens_per_second": metrics.get("tokens_per_second"),
-                "budget": run_budget,
+                "budget": params.get("budget.name", tags.get("budget", "?")),
                 "params": params,
             })
         token = page.token
@@ -131,8 +128,10 @@ def parse_args(argv: list[str]) -> SimpleNamespace:
 
 @command
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    print_help_if_asked(argv, __doc__)
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
     except ValueError as err:
         print(f"error: {err} (usage: {USAGE.strip('`')})", file=sys.stderr)
         return 2
@@ -156,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: experiment={args.experiment!r} is not allowed: no experiment of that name in {uri}",
               file=sys.stderr)
         return 2
-    rows, note = rank(load_rows(client, experiment.experiment_id, args.budget), args.phase)
+    rows = load_rows(client, experiment.experiment_id)
+    if args.budget is not None:
+        budgets = sorted({row["budget"] for row in rows})
+        if rows and args.budget not in budgets:  # a typo would print an empty table
+            print(f"error: budget={args.budget} is not allowed: no finished run of experiment {args.experiment!r} "
+                  f"has that budget; theirs: {', '.join(budgets)}", file=sys.stderr)
+            return 2
+        rows = [row for row in rows if row["budget"] == args.budget]
+    rows, note = rank(rows, args.phase)
     what = "val_bpb" if args.phase == 1 else "the phase-2 score (0.5 norm val_bpb + 0.5 norm core)"
     print(f"{args.experiment}: {len(rows)} finished run(s) ranked by {what}"
           + (f", budget {args.budget}" if args.budget else "") + f" ({uri})")

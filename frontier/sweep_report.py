@@ -22,7 +22,7 @@ import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from frontier import paths  # noqa: E402
-from frontier.cli import check_writable_path, command  # noqa: E402
+from frontier.cli import check_writable_path, command, print_help_if_asked  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.study import all_drivers_ended, is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
 
@@ -260,6 +260,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    print_help_if_asked(argv, __doc__)
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     if "study" not in args or set(args) - {"study", "storage", "out"} or len(args) != len(argv):
         print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)

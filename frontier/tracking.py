@@ -57,7 +57,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import lifecycle, paths
-from frontier.cli import NAME_ERRORS, command, refused_path, unwritable
+from frontier.cli import NAME_ERRORS, command, print_help_if_asked, refused_path, unwritable
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig, error_line, project_path, store_error_line
 from frontier.observers import RECORD_FIELDS, event_time, final_record, is_finite_number, read_records
 
@@ -1066,11 +1066,18 @@ def _delete_unrecorded(client: MlflowClient, experiment_id: str, run_id: str | N
 
 
 USAGE = "python -m frontier.tracking sync RUN_DIR [tracking.uri=URI]"
+HELP = f"""usage: {USAGE}
+
+Sends to the MLflow store what it has not acknowledged of the run in RUN_DIR (from its metrics.jsonl,
+summary.json and config), creating the MLflow run if it never existed; no point is sent twice. A run
+whose process ended without recording its end (kill -9) is ended KILLED; a live one is left RUNNING.
+tracking.uri: the store, if not the one the run was configured with."""
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    print_help_if_asked(args, HELP)
     try:
         if not args or args[0] != "sync":
             raise ConfigError(f"{args[0] if args else 'no command'} is not allowed: the command is `{USAGE}`")

@@ -71,6 +71,10 @@ BAD = [
                                                    "not a file"),
     (["--shell-completion"], "--shell-completion is not allowed alone: add install=SHELL"),
     (["--resolve"], "--resolve is not allowed alone: it goes with --cfg or --help"),
+    (["--config-name=nosuch"], "--config-name=nosuch is not allowed: there is no such primary config; choose one "
+                                  "of config"),
+    (["--config-name=nosuch", "--help"], "--config-name=nosuch is not allowed: there is no such primary config"),
+    (["--config-path=/nonexistent"], "--config-path=/nonexistent is not allowed: no config is there"),
     # a sweep without --multirun
     (["model=tiny,base"], "model=tiny,base is not allowed: a comma list or sweep function sweeps over values, "
                           "which needs --multirun"),
@@ -305,8 +309,10 @@ def test_a_trial_launched_into_a_study_that_is_not_there_is_one_sentence(tmp_pat
 def test_showing_commands_still_work():
     shown = run_cli(["model=tiny", "--cfg", "job"], timeout=120)
     assert shown.returncode == 0 and "name: tiny" in shown.stdout, shown.stderr
-    refused = run_cli(["model.foo=1", "--cfg", "job"], timeout=120)
-    assert refused.returncode == 2 and refused.stderr.startswith("error: ") and len(refused.stderr.splitlines()) == 1
+    for args in (["model.foo=1", "--cfg", "job"], ["model.depth=-1", "--cfg", "job"]):  # a config no run could take
+        refused = run_cli([*args], timeout=120)
+        assert refused.returncode == 2 and refused.stderr.startswith(f"error: {args[0]} is not allowed") \
+            and len(refused.stderr.splitlines()) == 1, refused.stderr
 
 
 @pytest.mark.parametrize("module, args, names", [
@@ -466,12 +472,12 @@ LONG = "a" * 300  # longer than a file name may be (255 bytes)
     ("frontier.sweep_report", ["study=s", "storage={tmp}/" + LONG + ".journal"], "storage", "File name too long"),
     ("frontier.leaderboard", ["tracking.uri=sqlite:///{tmp}/" + LONG + ".db"], "tracking.uri", "File name too long"),
     ("frontier.tracking", ["sync", "{tmp}/" + LONG], "{tmp}/", "File name too long"),
-    ("frontier.bench", ["--help"], "--help", "frontier.bench takes bench.KEY=VALUE and trainer overrides only"),
+    ("frontier.bench", ["--multirun"], "--multirun", "frontier.bench takes bench.KEY=VALUE and trainer overrides only"),
     ("frontier.bench", ["bench.steps=0"], "bench.steps", "must be at least 1"),
     ("frontier.bench", ["bench.output={tmp}/file/bench.json"], "bench.output", "its folder cannot be created"),
 ], ids=["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
         "data.path in a symlink loop", "a 5000-digit integer", "eval", "sweep_report", "leaderboard", "sync",
-        "bench --help", "bench.steps=0", "bench.output under a file"])
+        "bench --multirun", "bench.steps=0", "bench.output under a file"])
 def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(tmp_path, module, args, key, reason):
     """A name too long, a symlink loop, a number Python will not read: wherever the path is first touched
     (a check, Hydra's set-up, pathlib) it had been a traceback; and frontier.bench read Hydra's options
@@ -484,6 +490,20 @@ def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(t
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert lines[-1].startswith(f"error: {key.replace('{tmp}', str(tmp_path))}") and reason in lines[-1], lines
+
+
+@pytest.mark.parametrize("module, args, usage", [
+    ("frontier.eval", ["--help"], "python -m frontier.eval checkpoint=PATH | run_id=ID"),
+    ("frontier.leaderboard", ["-h"], "python -m frontier.leaderboard [experiment=frontier]"),
+    ("frontier.sweep_report", ["study=s", "--help"], "python -m frontier.sweep_report study=NAME"),
+    ("frontier.tracking", ["sync", "--help"], "usage: python -m frontier.tracking sync RUN_DIR"),
+    ("frontier.bench", ["--help"], "bench keys: models=[tiny]"),
+])
+def test_a_side_command_s_help_is_its_usage_and_exit_0(module, args, usage):
+    """--help had been refused as an argument that is not key=value, with exit code 2."""
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stderr == "" and usage in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("setting, reason", [

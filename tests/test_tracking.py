@@ -748,6 +748,9 @@ def test_leaderboard_orders_runs_and_shows_differences(tmp_path, store, capsys):
     assert [line.split()[1] for line in body] == ["baseline", "deeper"]
     assert body[0].split()[2] == "0.567"
 
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=lb", "budget=phase9"]) == 2  # a typo, not 0 runs
+    assert capsys.readouterr().err == ("error: budget=phase9 is not allowed: no finished run of experiment 'lb' has "
+                                       "that budget; theirs: phase1, phase2\n")
     assert leaderboard.main([f"tracking.uri={uri}", "experiment=missing"]) == 2  # a mistake: one sentence
     assert leaderboard.main(["depth"]) == 2
 
