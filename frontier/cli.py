@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import hydra
+import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import (create_automatic_config_search_path, detect_calling_file_or_module_from_task_function,
@@ -197,7 +198,7 @@ PATH_SHAPE_ERRORS = (*NAME_ERRORS, errno.ENOTDIR)  # before the task runs, a fil
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:
     if isinstance(err, ConfigError):
         return True
-    if isinstance(err, (HydraException, OmegaConfBaseException)) or logging_refused(err) \
+    if isinstance(err, (HydraException, OmegaConfBaseException, yaml.YAMLError)) or logging_refused(err) \
             or refused_path(err, [], PATH_SHAPE_ERRORS) is not None:
         return not raised_in(err, task.__code__)  # from the task's own code it is a bug, not the command line's
     return isinstance(err, user_errors())
@@ -227,6 +228,8 @@ def one_sentence(err: BaseException) -> str:
     refused = refused_path(err, sys.argv[1:], PATH_SHAPE_ERRORS)
     if refused is not None:
         return refused
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        return yaml_problem(err)
     if logging_refused(err):
         cause = err.__cause__ or err.__context__
         return (f"hydra.job_logging / hydra.hydra_logging is not allowed as given: {error_line(err, named=False)}"
@@ -236,6 +239,16 @@ def one_sentence(err: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
         text = f"{text.rstrip('.')}: {error_line(cause, named=False)}"
     return text
+
+
+def yaml_problem(err: yaml.MarkedYAMLError) -> str:
+    """A config file that is not YAML, by its path, line and column (PyYAML's text spans several lines)."""
+    mark = err.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context = err.context
+    if context and err.context_mark is not None and err.context_mark.line != mark.line:
+        context += f" from line {err.context_mark.line + 1}, column {err.context_mark.column + 1}"
+    return f"{mark.name} is not valid YAML: {where}: {err.problem}" + (f" ({context})" if context else "")
 
 
 # -- the checks, before Hydra runs ------------------------------------------------------------------
@@ -411,6 +424,12 @@ class Composer:
     def explain(self, override: Override, err: Exception, before: DictConfig) -> str:
         """Why `override` does not compose onto `before`, in words."""
         line, key = override.input_line, override.key_or_group
+        missing = re.match(r"In '([^']+)': Could not load '([^']+)'", str(err))
+        if isinstance(err, MissingConfigException) and missing:  # the chosen preset's defaults list names it
+            where, entry = missing.groups()
+            group, _, name = entry.rpartition("/")
+            return (f"{line} is not allowed: in its config {where}, the defaults entry {name} is not there"
+                    + (f"; {group} has {', '.join(self.options(group))}" if self.is_group(group) else ""))
         if isinstance(err, MissingConfigException) and self.is_group(key):
             return f"{line} is not allowed: {key} has no such option; choose one of {', '.join(self.options(key))}"
         if override.is_delete() and self.is_group(key):
@@ -439,8 +458,9 @@ class Composer:
             expected = allowed_type(before, full_key)
             if value and expected:
                 problem = f"{full_key}={value.group(1)} must be {expected}"
-            else:
-                problem = key_problem(before, full_key, self.options) or f"{full_key}: {problem.strip()}"
+            else:  # the schema first: the group's node is still null in `before` (sweep: null)
+                problem = (schema_key_problem(before, full_key) or key_problem(before, full_key, self.options)
+                           or f"{full_key}: {problem.strip()}")
             return f"{line} is not allowed: in its config {where}, {problem}"
         return f"{line} is not allowed: {one_sentence(err)}"
 
@@ -508,6 +528,22 @@ def key_problem(cfg: DictConfig, key: str, options: Callable[[str], list[str]]) 
             return key_hint(where, part, [str(k) for k in node.keys()])
         child = node._get_node(part)
         node = None if child is None or child._is_none() else child if isinstance(child, DictConfig) else "value"
+        walked.append(part)
+    return None
+
+
+def schema_key_problem(cfg: DictConfig, key: str) -> Optional[str]:
+    """A key the typed schema has no place for (the nearest one, or all), None where it has or does not say."""
+    hint: Any = OmegaConf.get_type(cfg)
+    walked: list[str] = []
+    for part in key.split("."):
+        hint = _without_none(hint)
+        if not is_dataclass(hint):
+            return None
+        names = [f.name for f in fields(hint)]
+        if part not in names:
+            return key_hint(".".join(walked), part, names)
+        hint = typing.get_type_hints(hint)[part]
         walked.append(part)
     return None
 

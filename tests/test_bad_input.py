@@ -215,18 +215,33 @@ def test_the_table_is_at_least_sixty_distinct_mistakes():
     assert len({" ".join(args) for args, _ in BAD}) == len(BAD) >= 60
 
 
-@pytest.mark.parametrize("preset, message", [
-    ("defaults: [tiny, _self_]\nname: mine\ndepth: abc\n", "model.depth=abc must be an integer"),
-    ("defaults: [tiny, _self_]\nname: mine\ndpeth: 4\n", "model has no key 'dpeth'; did you mean depth?"),
-], ids=["bad value", "bad key"])
-def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(tmp_path, preset, message):
-    (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "mine.yaml").write_text(preset)
+@pytest.mark.parametrize("group, preset, message", [
+    ("model", "defaults: [tiny, _self_]\nname: mine\ndepth: abc\n", "in its config model/mine, model.depth=abc must "
+                                                                     "be an integer"),
+    ("model", "defaults: [tiny, _self_]\nname: mine\ndpeth: 4\n", "in its config model/mine, model has no key "
+                                                                   "'dpeth'; did you mean depth?"),
+    ("model", "defaults: [tinyy, _self_]\nname: mine\n", "in its config model/mine, the defaults entry tinyy is not "
+                                                         "there; model has base, d4, deep"),
+    ("model", "name: mine\ndepth: [1, 2\n", "{conf}/model/mine.yaml is not valid YAML: line 3, column 1: expected "
+                                          "',' or ']', but got '<stream end>' (while parsing a flow sequence from "
+                                          "line 2, column 8)"),
+    ("sweep", "name: mine\nparms:\n  optim.matrix_lr: interval(0.01, 0.1)\n", "in its config sweep/mine, sweep has "
+                                                                             "no key 'parms'; did you mean params?"),
+], ids=["bad value", "bad key", "a defaults entry not there", "not YAML", "bad key in a sweep preset"])
+def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(tmp_path, group, preset, message):
+    """A defaults entry not there had listed the preset itself as the choice; YAML that does not parse
+    gave PyYAML's first line alone, without the file; a sweep preset's unknown key said "sweep is null"."""
+    (tmp_path / "conf" / group).mkdir(parents=True)
+    (tmp_path / "conf" / group / "mine.yaml").write_text(preset)
     (tmp_path / "out").mkdir()
-    result = run_cli(["--config-dir", str(tmp_path / "conf"), *FAST, *isolated(tmp_path / "out"), "model=mine"],
+    options, chosen = (["--multirun"], ["sweep=mine", f"sweep.storage={tmp_path}/out/study.journal"]) \
+        if group == "sweep" else ([], ["model=mine"])
+    result = run_cli([*options, "--config-dir", str(tmp_path / "conf"), *FAST, *isolated(tmp_path / "out"), *chosen],
                      timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr == f"error: model=mine is not allowed: in its config model/mine, {message}\n"
+    message = message.replace("{conf}", str(tmp_path / "conf"))
+    assert result.stderr.startswith(f"error: {group}=mine is not allowed: {message}"), result.stderr
+    assert len(result.stderr.splitlines()) == 1
     assert list((tmp_path / "out").iterdir()) == []
 
 
