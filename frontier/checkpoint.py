@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -47,9 +48,11 @@ class CheckpointError(ConfigError):
     """A checkpoint file that is missing, truncated, not a torch file, or not one of ours."""
 
 
-def read_checkpoint(path: str | os.PathLike, what: str, keys: tuple[str, ...] = ("model", "config")) -> dict:
+def read_checkpoint(path: str | os.PathLike, what: str, keys: tuple[str, ...] = ("model", "config"),
+                    mmap: bool = False) -> dict:
     """The payload of a `final.pt` or `resume.pt`; every way it can be unusable becomes one sentence
-    naming `what` (the key the user gave, e.g. "checkpoint=" or "resume=") and the file."""
+    naming `what` (the key the user gave, e.g. "checkpoint=" or "resume=") and the file. `mmap` maps the
+    tensors instead of reading them, for a check that needs the rest only."""
     path = Path(path)
 
     def refuse(reason: str) -> CheckpointError:
@@ -60,7 +63,8 @@ def read_checkpoint(path: str | os.PathLike, what: str, keys: tuple[str, ...] = 
     if not path.is_file():
         raise refuse("it is not a file")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        # torch maps only its zip format: another file is read whole, to fail (or load) as it would anyway
+        payload = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as err:  # EOFError, UnpicklingError, zip errors, OSError: all mean unusable
         raise refuse(f"it is truncated, damaged or not a torch checkpoint ({error_line(err)})") from None
     if not isinstance(payload, dict) or any(key not in payload for key in keys):

@@ -566,23 +566,30 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: str(tree)[:MAX_PARAM_CHARS]}
 
 
-def run_dir_of(tracking_cfg, run_id: str) -> Path:
-    """The directory a run wrote to (its `run_dir` tag)."""
-    client = MlflowClient(tracking_uri(tracking_cfg))
+def run_dir_of(tracking_cfg, run_id: str, key: str) -> Path:
+    """The directory a run wrote to (its `run_dir` tag); `key` is the argument that gave the run id."""
+    uri = tracking_uri(tracking_cfg)
+    db = paths.sqlite_path(uri)
+    if db is not None and not db.expanduser().exists():  # opening it would create an empty store
+        raise ConfigError(f"{key}={run_id} is not allowed: there is no MLflow store at tracking.uri={uri} (name the "
+                          "store the run went to)")
+    probe_store(tracking_cfg)  # a server that does not answer: one line now, not minutes of retries
+    client = MlflowClient(uri)
     try:
         run = _retry(client.get_run, run_id)
     except Exception as err:
-        raise ConfigError(f"no MLflow run {run_id!r} in tracking.uri={tracking_uri(tracking_cfg)} "
+        raise ConfigError(f"{key}={run_id} is not allowed: no MLflow run of that id in tracking.uri={uri} "
                           f"({store_error_line(err)})") from None
     run_dir = run.data.tags.get("run_dir")
     if not run_dir:
-        raise ConfigError(f"MLflow run {run_id!r} has no run_dir tag; pass its directory instead")
+        raise ConfigError(f"{key}={run_id} is not allowed: that MLflow run has no run_dir tag; pass its "
+                          "directory instead")
     return Path(run_dir)
 
 
 def checkpoint_of_run(tracking_cfg, run_id: str) -> Path:
     """A run's final.pt: in its run directory, else its logged `checkpoint/` artifact."""
-    local = run_dir_of(tracking_cfg, run_id) / "final.pt"
+    local = run_dir_of(tracking_cfg, run_id, "run_id") / "final.pt"
     if local.is_file():
         return local
     client = MlflowClient(tracking_uri(tracking_cfg))

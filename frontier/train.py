@@ -47,11 +47,11 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
                 raise ConfigError(f"{override.input_line} is not allowed with resume=: a resumed run continues "
                                   "with the config it was launched with (tracking.uri, to find a run by its "
                                   "MLflow id, and hydra.* options are the only other overrides it takes)")
-        from frontier.trainer import resume_location
+        from frontier.trainer import resume_point
 
-        run_dir = resume_location(str(cfg.resume))
-        if run_dir is not None:
-            check_not_running(run_dir, "resume")
+        # an MLflow run id is looked up now: a mistake found later leaves Hydra's record of a new run
+        _, run_dir, _ = resume_point(str(cfg.resume), OmegaConf.to_object(cfg.tracking), mmap=True)
+        check_not_running(run_dir, "resume")
         return
     from frontier.data import given_tokenizer, resolve_splits
 

@@ -366,24 +366,30 @@ def resume_location(resume: str) -> Path | None:
     return run_dir
 
 
-def resume_point(resume: str, tracking_cfg) -> tuple[DictConfig, Path, dict]:
-    """The saved config, run directory and state of `resume=RUN_DIR_OR_MLFLOW_RUN_ID`."""
+def resume_point(resume: str, tracking_cfg, mmap: bool = False) -> tuple[DictConfig, Path, dict]:
+    """The saved config, run directory and state of `resume=RUN_DIR_OR_MLFLOW_RUN_ID`, of a run that can
+    continue (a sweep's trial only while its study has it running). `mmap`: for a check, which needs no
+    tensor read."""
     run_dir = resume_location(resume)
     if run_dir is None:
         from frontier.tracking import run_dir_of
 
-        run_dir = run_dir_of(tracking_cfg, resume)
+        run_dir = run_dir_of(tracking_cfg, resume, "resume")
     path = run_dir / "resume.pt"
     if not path.is_file():
         raise ConfigError(f"resume={resume} is not allowed: {path} does not exist (the run wrote no checkpoint "
                           "yet, or it finished)")
-    state = read_checkpoint(path, "resume=", keys=RESUME_KEYS)
+    state = read_checkpoint(path, "resume=", keys=RESUME_KEYS, mmap=mmap)
     try:
         raw = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
     except Exception as err:  # a resume.pt of another version, or edited: its config is not this schema's
         raise CheckpointError(f"resume={path} is not allowed: its saved config does not fit this version's "
                               f"schema ({error_line(err)})") from None
     raw.resume = None
+    if raw.trial.number is not None:
+        from frontier.trial import check_resumable
+
+        check_resumable(raw.trial, run_dir)
     return raw, run_dir, state
 
 
@@ -444,10 +450,6 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
     state = None
     if raw.get("resume"):
         raw, run_dir, state = resume_point(raw.resume, raw.tracking)
-        if raw.trial.number is not None:
-            from frontier.trial import check_resumable
-
-            check_resumable(raw.trial, run_dir)
     try:
         plan = prepare(raw, run_dir)
     except KeyboardInterrupt as err:

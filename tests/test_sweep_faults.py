@@ -447,6 +447,7 @@ def test_an_interrupted_driver_stops_its_trial_records_why_and_exits_130(tmp_pat
             "(stopped by its driver (interrupted)) and takes no more reports; run its sweep again for new trials, "
             "or train these settings as a run of their own: python -m frontier.train "), again.stderr[-3000:]
         assert {path: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
+        assert [p.name for p in (run_dir / ".hydra").iterdir() if p.is_dir()] == []  # no record of a resume
 
 
 # A test-only sitecustomize.py for the trials: a run's end reaches its first sink (metrics.jsonl) 5 s

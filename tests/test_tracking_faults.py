@@ -361,7 +361,9 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert f"resume={run_dir}" in run.data.tags["error"] and "kill -9" in run.data.tags["error"]
 
-    done = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_dir}"], cwd=PROJECT_ROOT,
+    # resumed by its MLflow run id: the store names its run directory (Hydra's record of the command goes apart)
+    done = subprocess.run([sys.executable, "-m", "frontier.train", f"resume={run_id}", f"tracking.uri={uri}",
+                           f"hydra.run.dir={tmp_path / 'resume-command'}"], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     steps = [r["step"] for r in records(run_dir) if "checkpoint" not in r and "final" not in r]

@@ -134,6 +134,8 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
     foreign = f"resume={tmp_path / 'foreign'}"
     cases = [
         (["resume=/nonexistent/run"], "resume=/nonexistent/run is not allowed: /nonexistent/run does not exist"),
+        ([f"resume={'0' * 32}", f"tracking.uri=sqlite:///{store}", f"hydra.run.dir={tmp_path / 'new'}"], f"resume={'0' * 32} is not allowed: there is no "
+                                                                    f"MLflow store at tracking.uri=sqlite:///{store}"),
         ([foreign, f"tracking.uri=sqlite:///{store}"], f"resume={tmp_path / 'foreign' / 'resume.pt'} is not allowed: "
                                                        "it is truncated, damaged or not a torch checkpoint"),
         ([foreign, "model.depth=8"], "model.depth=8 is not allowed with resume=: a resumed run continues with the "
@@ -151,6 +153,8 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
         assert lines[-1].startswith(f"error: {message}"), (args, result.stderr)
         assert "Traceback" not in result.stderr
         assert not store.exists(), args  # refused before any tracking store was opened
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "foreign"]
+    assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["resume.pt"]  # no .hydra record of a resume
 
 
 @pytest.mark.slow
