@@ -23,6 +23,7 @@ import tempfile
 import threading
 import types
 import typing
+import warnings
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional
@@ -374,16 +375,25 @@ class Composer:
         self.app, self.config_name = app, config_name
 
     def mode(self, overrides: list[Override], multirun: bool) -> RunMode:
-        chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
+        with warnings.catch_warnings():  # it composes too: compose() says what Hydra warns of
+            warnings.simplefilter("ignore")
+            chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
         return RunMode.MULTIRUN if multirun or chosen == RunMode.MULTIRUN else RunMode.RUN
 
     def compose(self, overrides: list[Override], mode: RunMode) -> DictConfig:
         """The composed config (with its hydra node); a failure names the override that causes it."""
         lines = [o.input_line for o in overrides]
         try:
-            return self._compose(lines, mode)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg = self._compose(lines, mode)
         except Exception:  # find the first override that breaks composition, to name it
             pass
+        else:
+            for warning in caught:
+                check_search_path(str(warning.message), overrides)
+                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+            return cfg
         culprit = self.culprit(overrides, lambda lines: self._compose(lines, mode))
         if culprit is None:
             raise ConfigError(f"{' '.join(lines)} is not allowed: these overrides do not compose together")
@@ -394,7 +404,8 @@ class Composer:
         """The first override `compose` cannot add to those before it, and why in words; None if each
         composes. Hydra applies the config-group choices before the values, whatever their order: so does
         the search, or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed."""
-        overrides = sorted(overrides, key=lambda o: o.is_delete() or not self.is_group(o.key_or_group))
+        overrides = sorted(overrides, key=lambda o: (o.key_or_group != "hydra.searchpath",  # where groups are found
+                                                     o.is_delete() or not self.is_group(o.key_or_group)))
         before = compose([])
         for i, override in enumerate(overrides):
             try:
@@ -463,6 +474,18 @@ class Composer:
                            or f"{full_key}: {problem.strip()}")
             return f"{line} is not allowed: in its config {where}, {problem}"
         return f"{line} is not allowed: {one_sentence(err)}"
+
+
+def check_search_path(warning: str, overrides: list[Override]) -> None:
+    """Hydra only warns (twice) of a hydra.searchpath entry that is not there, and then reports the
+    presets it should have held as missing."""
+    missing = re.match(r"provider=hydra\.searchpath in (\S+), path=(.*) is not available", warning)
+    if missing:
+        where, path = missing.groups()
+        given = next((o.input_line for o in reversed(overrides) if o.key_or_group == "hydra.searchpath"),
+                     f"hydra.searchpath (in the {where} config)")
+        raise ConfigError(f"{given} is not allowed: {path} is not there (an entry is a folder, file:///ABS/PATH, "
+                          "or a package, pkg://NAME)")
 
 
 @contextlib.contextmanager

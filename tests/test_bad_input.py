@@ -75,6 +75,8 @@ BAD = [
                                   "of config"),
     (["--config-name=nosuch", "--help"], "--config-name=nosuch is not allowed: there is no such primary config"),
     (["--config-path=/nonexistent"], "--config-path=/nonexistent is not allowed: no config is there"),
+    (["hydra.searchpath=[file:///nonexistent]"], "hydra.searchpath=[file:///nonexistent] is not allowed: /nonexistent "
+                                                 "is not there (an entry is a folder"),
     # a sweep without --multirun
     (["model=tiny,base"], "model=tiny,base is not allowed: a comma list or sweep function sweeps over values, "
                           "which needs --multirun"),
@@ -228,7 +230,8 @@ def test_the_table_is_at_least_sixty_distinct_mistakes():
     ("sweep", "name: mine\nparms:\n  optim.matrix_lr: interval(0.01, 0.1)\n", "in its config sweep/mine, sweep has "
                                                                              "no key 'parms'; did you mean params?"),
 ], ids=["bad value", "bad key", "a defaults entry not there", "not YAML", "bad key in a sweep preset"])
-def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(tmp_path, group, preset, message):
+@pytest.mark.parametrize("via", ["--config-dir", "hydra.searchpath"])
+def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(tmp_path, group, preset, message, via):
     """A defaults entry not there had listed the preset itself as the choice; YAML that does not parse
     gave PyYAML's first line alone, without the file; a sweep preset's unknown key said "sweep is null"."""
     (tmp_path / "conf" / group).mkdir(parents=True)
@@ -236,8 +239,11 @@ def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(
     (tmp_path / "out").mkdir()
     options, chosen = (["--multirun"], ["sweep=mine", f"sweep.storage={tmp_path}/out/study.journal"]) \
         if group == "sweep" else ([], ["model=mine"])
-    result = run_cli([*options, "--config-dir", str(tmp_path / "conf"), *FAST, *isolated(tmp_path / "out"), *chosen],
-                     timeout=120)
+    if via == "--config-dir":
+        options += ["--config-dir", str(tmp_path / "conf")]
+    else:  # after the choice: Hydra applies a search path first, and so must the search for the culprit
+        chosen.append(f"hydra.searchpath=[file://{tmp_path / 'conf'}]")
+    result = run_cli([*options, *FAST, *isolated(tmp_path / "out"), *chosen], timeout=120)
     assert result.returncode == 2, result.stderr
     message = message.replace("{conf}", str(tmp_path / "conf"))
     assert result.stderr.startswith(f"error: {group}=mine is not allowed: {message}"), result.stderr
