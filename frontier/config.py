@@ -356,8 +356,7 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment), "tracking.experiment", self.experiment, "name an MLflow experiment")
-        in_memory = self.uri is not None and re.fullmatch(r"sqlite://(/:memory:)?(\?.*)?", self.uri)
-        _require(not in_memory, "tracking.uri", self.uri, "an in-memory database ends with the process, so "
+        _require(not in_memory_sqlite(self.uri), "tracking.uri", self.uri, "an in-memory database ends with the process, so "
                  "no later command could find the run; name a file, e.g. sqlite:///mlruns/mlflow.db")
         _require(0 <= self.flush_seconds < float("inf"), "tracking.flush_seconds", self.flush_seconds,
                  "a finite number of seconds >= 0")
@@ -419,8 +418,11 @@ class SweepConfig:
             anchors = getattr(self, key)
             _require(len(anchors) == 2 and anchors[0] != anchors[1], f"sweep.{key}", anchors,
                      "two different values, [worst, best]")
+        _require(self.name.strip() != "", "sweep.name", self.name, "name the sweep (its study's default name)")
         _require(self.study_name is None or self.study_name.strip() != "", "sweep.study_name", self.study_name,
                  "name a study, or leave it null for the preset's name")
+        _require(not in_memory_sqlite(self.storage), "sweep.storage", self.storage, "an in-memory database ends "
+                 "with the driver, and no trial's process could reach it; name a file or a database server")
         _require(self.n_trials is None or self.n_trials >= 1, "sweep.n_trials", self.n_trials,
                  "a positive integer or null")
         _require(self.timeout is None or self.timeout > 0, "sweep.timeout", self.timeout,
@@ -488,6 +490,10 @@ class Config:
 
 
 SCHEMA_NAME = "frontier_schema"  # the typed config a primary config builds on
+
+
+def in_memory_sqlite(url: Optional[str]) -> bool:
+    return url is not None and re.fullmatch(r"sqlite://(/:memory:)?(\?.*)?", url) is not None
 
 
 def register_schemas() -> None:

@@ -62,15 +62,64 @@ def safe_storage(spec: str) -> str:
 
 class JournalFile(JournalFileBackend):
     """Optuna's journal file, created when opened but never by a write: a journal deleted under a
-    running sweep is an error, not a new file holding only the records written after it."""
+    running sweep is an error, not a new file holding only the records written after it.
+
+    A write that fails part way (a full disk) is taken back, and a record a killed process left
+    half-written is cut off before the next write: Optuna skips such a tail while it is the last line,
+    but a record appended to it would make one line that is not JSON, and the whole study unreadable."""
 
     def append_logs(self, logs: list[dict]) -> None:
         text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
         with get_lock_file(self._lock):
-            with open(os.open(self._file_path, os.O_WRONLY | os.O_APPEND), "ab") as f:  # no O_CREAT
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(self._file_path, os.O_RDWR | os.O_APPEND)  # no O_CREAT
+            try:
+                end = _whole_records_end(fd)
+                if end != os.fstat(fd).st_size:
+                    os.ftruncate(fd, end)
+                try:
+                    written = memoryview(text)
+                    while written:
+                        written = written[os.write(fd, written):]
+                    os.fsync(fd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, end)
+                    raise
+            finally:
+                os.close(fd)
+
+
+def damaged_journal(spec: str) -> str | None:
+    """Why the journal file `spec` cannot hold a study (None if it is one, or not there yet): a whole
+    line that is not a record, in a file that is not a journal or was damaged. A half-written last
+    record is not damage: the next write cuts it off."""
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                return None
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or "op_code" not in record:
+                return f"its line {number} is not an Optuna journal record (a file that is not a journal, or one damaged)"
+    return None
+
+
+def _whole_records_end(fd: int, chunk: int = 1 << 16) -> int:
+    """Where the journal's last whole record (its last newline) ends."""
+    end = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - chunk)
+        block = os.pread(fd, end - start, start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
 
 
 class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):

@@ -24,7 +24,8 @@ from optuna.trial import TrialState  # noqa: E402
 from frontier import paths  # noqa: E402
 from frontier.cli import check_writable_path, command, print_help_if_asked  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
-from frontier.study import all_drivers_ended, is_rdb, open_storage, safe_storage, study_storage  # noqa: E402
+from frontier.study import (all_drivers_ended, damaged_journal, is_rdb, open_storage, safe_storage,  # noqa: E402
+                            study_storage)
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
@@ -274,6 +275,10 @@ def main(argv: list[str]) -> int:
     if database is not None and not Path(database).expanduser().exists():
         print(f"error: storage={storage!r} is not allowed: it does not exist; pass the sweep's sweep.storage",
               file=sys.stderr)
+        return 2
+    damaged = None if is_rdb(storage) else damaged_journal(storage)
+    if damaged:
+        print(f"error: storage={storage!r} is not allowed: {damaged}", file=sys.stderr)
         return 2
     try:
         opened = open_storage(storage)

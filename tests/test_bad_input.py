@@ -133,6 +133,9 @@ BAD = [
                                                       "allowed: /no/such/tokenizer.json is not a file"),
     (["tracking.uri=sqlite://"], "tracking.uri='sqlite://' is not allowed: an in-memory database ends with the "
                                  "process"),
+    (["--multirun", "sweep=lr", "sweep.storage=sqlite://"], "sweep.storage='sqlite://' is not allowed: an in-memory "
+                                                            "database ends with the driver"),
+    (["--multirun", "sweep=lr", "sweep.name="], "sweep.name='' is not allowed: name the sweep"),
     (["tracking.uri=sqlite:///:memory:"], "tracking.uri='sqlite:///:memory:' is not allowed: an in-memory "
                                           "database ends with the process"),
     (["optim.name=sgd"], "optim.name='sgd' is not allowed: choose one of muon, adamw"),

@@ -557,3 +557,52 @@ def test_only_an_unexplained_sigkill_suggests_memory(tmp_path):
     assert describe_exit(1, tmp_path / "output.log") == "ValueError: boom"
     assert describe_exit(-signal.SIGTERM, tmp_path / "output.log") == "killed by SIGTERM"
     assert "out of host memory" in describe_exit(-signal.SIGKILL, tmp_path / "output.log")
+
+
+def test_a_journal_write_that_fails_part_way_is_taken_back_and_a_half_record_is_cut_off(tmp_path, monkeypatch):
+    """A full disk cut a record short; the next driver appended after it, making one line that is not
+    JSON, and every later read of the study failed: the study, and its finished trials, were lost."""
+    journal = tmp_path / "study.journal"
+    storage = open_storage(str(journal))
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.enqueue_trial({"x": 1.0})
+    whole = journal.read_bytes()
+
+    real_write = os.write
+
+    def disk_fills(fd, data):  # the first bytes fit, then the disk is full
+        real_write(fd, bytes(data[:10]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_fills)
+    with pytest.raises(OSError):
+        study.enqueue_trial({"x": 2.0})
+    monkeypatch.undo()
+    assert journal.read_bytes() == whole  # taken back
+
+    with open(journal, "ab") as f:  # what a process killed inside its write leaves
+        f.write(b'{"op_code":5,"worker')
+    assert optuna.load_study(study_name="s", storage=open_storage(str(journal))).trials  # readable as it is
+    again = optuna.load_study(study_name="s", storage=open_storage(str(journal)))
+    again.enqueue_trial({"x": 3.0})  # cuts the half record off first
+    assert journal.read_bytes().startswith(whole) and all(json.loads(line) for line in journal.read_bytes().splitlines())
+    reread = optuna.load_study(study_name="s", storage=open_storage(str(journal)))
+    assert [t.params.get("x", t.system_attrs.get("fixed_params", {}).get("x")) for t in reread.trials] == [1.0, 3.0]
+
+
+def test_a_journal_that_is_not_one_is_refused_and_left_as_it_was(tmp_path):
+    journal = tmp_path / "notes.journal"
+    journal.write_text("my notes\nmore notes\n")
+    result = subprocess.run(sweep_command(tmp_path / "out", "sweep=lr", f"sweep.storage={journal}"), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"error: sweep.storage='{journal}' is not allowed: its line 1 is not an Optuna journal record (a file that "
+        "is not a journal, or one damaged); give another file"], result.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "frontier.sweep_report", "study=lr", f"storage={journal}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 2 and report.stderr == (
+        f"error: storage='{journal}' is not allowed: its line 1 is not an Optuna journal record (a file that is not a "
+        "journal, or one damaged)\n"), report.stderr
+    assert journal.read_text() == "my notes\nmore notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.journal"]

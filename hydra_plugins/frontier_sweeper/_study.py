@@ -36,7 +36,7 @@ from optuna.trial import FrozenTrial, TrialState
 from frontier.cli import Composer, check_run, parse_override, unwritable
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.lifecycle import TERMINAL, earlier_records
-from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, end_trial, is_rdb,
+from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, damaged_journal, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
@@ -302,6 +302,9 @@ class Sweep:
         return f"{why} (from the search space {self.written[override.key_or_group]})"
 
     def open_study(self) -> optuna.Study:
+        damaged = None if is_rdb(self.storage_spec) else damaged_journal(self.storage_spec)
+        if damaged:  # Optuna would append to it, then fail on reading it back
+            raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: {damaged}; give another file")
         try:
             # kept for ask_lock: the study wraps an RDBStorage in Optuna's cache, which has no engine
             self.storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
