@@ -66,8 +66,10 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
     try:
         bench = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
                                                     OmegaConf.from_dotlist(mine)))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"bench: {error_line(err, named=False)}") from None
+    except OmegaConfBaseException as err:  # a key it lacks, a value of the wrong type: name the argument
+        given = next((a for a in argv if a.partition("=")[0] == f"bench.{getattr(err, 'full_key', None)}"), None)
+        raise ConfigError(f"{given or 'bench'}{' is not allowed' if given else ''}: "
+                          f"{error_line(err, named=False)}") from None
     for key, least in (("warmup", 0), ("steps", 1), ("profile", 0)):
         if getattr(bench, key) < least:
             raise ConfigError(f"bench.{key}={getattr(bench, key)} is not allowed: must be at least {least}")
@@ -75,6 +77,8 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
     if found:  # found now, not after the whole benchmark has run
         raise ConfigError(f"bench.output={bench.output} is not allowed: its folder cannot be created ({found[1]}); "
                           f"{found[0]} is not a writable directory")
+    if bench.output is not None and Path(bench.output).is_dir():
+        raise ConfigError(f"bench.output={bench.output} is not allowed: it is a folder; name the JSON file to write")
     for group, names, options in (("model", bench.models, presets("model")),
                                   ("kernel", bench.kernels, kernels.PRESETS)):
         unknown = [name for name in names if name not in options]

@@ -570,15 +570,14 @@ def run_dir_of(tracking_cfg, run_id: str, key: str) -> Path:
     """The directory a run wrote to (its `run_dir` tag); `key` is the argument that gave the run id."""
     uri = tracking_uri(tracking_cfg)
     db = paths.sqlite_path(uri)
-    if db is not None and not db.expanduser().exists():  # opening it would create an empty store
+    if db is not None and not db.expanduser().is_file():  # opening it would create an empty store
         raise ConfigError(f"{key}={run_id} is not allowed: there is no MLflow store at tracking.uri={uri} (name the "
                           "store the run went to)")
     probe_store(tracking_cfg)  # a server that does not answer: one line now, not minutes of retries
-    client = MlflowClient(uri)
     try:
-        run = _retry(client.get_run, run_id)
+        run = _retry(MlflowClient(uri).get_run, run_id)  # a file that is not a store fails as it is opened
     except Exception as err:
-        raise ConfigError(f"{key}={run_id} is not allowed: no MLflow run of that id in tracking.uri={uri} "
+        raise ConfigError(f"{key}={run_id} is not allowed: it is not found in tracking.uri={uri} "
                           f"({store_error_line(err)})") from None
     run_dir = run.data.tags.get("run_dir")
     if not run_dir:
@@ -806,7 +805,11 @@ def _probe(uri: str) -> None:
 def _probe_database(uri: str) -> None:
     """One connection to a database store: MLflow's SQL store retries its first one for two minutes."""
     timeout = {"connect_timeout": int(PROBE_SECONDS)} if not uri.startswith("mssql") else {}
-    engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout)
+    try:  # a database driver that is not installed fails here (ModuleNotFoundError)
+        engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout)
+    except Exception as err:
+        raise ConfigError(f"tracking.uri={uri} could not be opened ({store_error_line(err)}); install the "
+                          "database's driver or correct the URI") from None
     try:
         with engine.connect():
             pass

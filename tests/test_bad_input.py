@@ -498,10 +498,12 @@ LONG = "a" * 300  # longer than a file name may be (255 bytes)
     ("frontier.tracking", ["sync", "{tmp}/" + LONG], "{tmp}/", "File name too long"),
     ("frontier.bench", ["--multirun"], "--multirun", "frontier.bench takes bench.KEY=VALUE and trainer overrides only"),
     ("frontier.bench", ["bench.steps=0"], "bench.steps", "must be at least 1"),
+    ("frontier.bench", ["bench.steps=abc"], "bench.steps=abc is not allowed", "Value 'abc' of type 'str' could not"),
     ("frontier.bench", ["bench.output={tmp}/file/bench.json"], "bench.output", "its folder cannot be created"),
+    ("frontier.bench", ["bench.output={tmp}"], "bench.output", "it is a folder; name the JSON file to write"),
 ], ids=["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
         "data.path in a symlink loop", "a 5000-digit integer", "eval", "sweep_report", "leaderboard", "sync",
-        "bench --multirun", "bench.steps=0", "bench.output under a file"])
+        "bench --multirun", "bench.steps=0", "bench.steps=abc", "bench.output under a file", "bench.output a folder"])
 def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(tmp_path, module, args, key, reason):
     """A name too long, a symlink loop, a number Python will not read: wherever the path is first touched
     (a check, Hydra's set-up, pathlib) it had been a traceback; and frontier.bench read Hydra's options

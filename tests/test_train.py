@@ -129,13 +129,19 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
     store = tmp_path / "mlflow.db"
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "resume.pt").write_bytes(b"PK\x03\x04 half a zip file")
-    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_file").write_text("not a database")
     tracked = [*FAST, "tracking.enabled=true", f"tracking.uri=sqlite:///{store}"]
     foreign = f"resume={tmp_path / 'foreign'}"
     cases = [
         (["resume=/nonexistent/run"], "resume=/nonexistent/run is not allowed: /nonexistent/run does not exist"),
         ([f"resume={'0' * 32}", f"tracking.uri=sqlite:///{store}", f"hydra.run.dir={tmp_path / 'new'}"], f"resume={'0' * 32} is not allowed: there is no "
                                                                     f"MLflow store at tracking.uri=sqlite:///{store}"),
+        ([f"resume={'0' * 32}", f"tracking.uri=sqlite:///{tmp_path / 'a_file'}", f"hydra.run.dir={tmp_path / 'new'}"],
+         f"resume={'0' * 32} is not allowed: it is not found in tracking.uri=sqlite:///{tmp_path / 'a_file'} "
+         "(sqlite3.DatabaseError: file is not a database)"),
+        ([*FAST, "tracking.enabled=true", "tracking.uri=mysql://u@127.0.0.1:5999/db", f"hydra.run.dir={tmp_path / 'new'}"],
+         "tracking.uri=mysql://u@127.0.0.1:5999/db could not be opened (ModuleNotFoundError: No module named 'MySQLdb'); "
+         "install the database's driver"),
         ([foreign, f"tracking.uri=sqlite:///{store}"], f"resume={tmp_path / 'foreign' / 'resume.pt'} is not allowed: "
                                                        "it is truncated, damaged or not a torch checkpoint"),
         ([foreign, "model.depth=8"], "model.depth=8 is not allowed with resume=: a resumed run continues with the "
