@@ -75,9 +75,12 @@ def command(entry: Callable) -> Callable:
                 print(f"error: {refused}", file=sys.stderr)
             raise SystemExit(2) from None
         finally:  # unless the command chose otherwise meanwhile (the trainer ignores a late signal)
+            # a command's process ignores a signal once its work is done: restored, the default handler
+            # would end it silently with 143 (or -2) while Python shuts down, after it recorded success
+            after = signal.SIG_IGN if frontier._started_as_a_command() else None
             for signum, handler in previous.items():
                 if signal.getsignal(signum) is _on_interrupt:
-                    signal.signal(signum, handler)
+                    signal.signal(signum, after or handler)
 
     return run
 

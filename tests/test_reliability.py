@@ -704,6 +704,25 @@ def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path, twice):
     assert not (tmp_path / "bench.json").exists()
 
 
+SIGNAL_AT_EXIT = """
+import atexit, os, signal
+
+atexit.register(lambda: os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL_AT_EXIT"])))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("command", [["frontier.leaderboard", "-h"], ["frontier.tracking", "sync", "--help"]],
+                         ids=["leaderboard", "sync"])
+def test_a_signal_after_a_command_s_work_is_done_leaves_its_exit_code(tmp_path, command, signame):
+    """A signal while Python shuts down, after the command returned (a scheduler's SIGTERM at the end):
+    the default handlers were back, so the process ended silently by the signal (143, or -2)."""
+    (tmp_path / "sitecustomize.py").write_text(SIGNAL_AT_EXIT)
+    done = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SIGNAL_AT_EXIT": signame})
+    assert done.returncode == 0 and "python -m frontier." in done.stdout and done.stderr == "", (done.returncode, done.stderr)
+
+
 CTRL_C_AT_IMPORT = """
 import os, signal, sys
 
