@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import requests
 import sqlalchemy.exc
@@ -885,8 +886,21 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ConfigError(f"RUN_DIR={run_dir} is not allowed: no such directory")
-    with lifecycle.claimed(run_dir) as ended:  # held while syncing: no resume= can reopen the run meanwhile
+    # one sync of a run directory at a time (a second waits, then finds the run the first made), and
+    # run.lock held while syncing: no resume= can reopen the run meanwhile
+    with _one_sync_at_a_time(run_dir), lifecycle.claimed(run_dir) as ended:
         return _sync(run_dir, uri, ended)
+
+
+@contextlib.contextmanager
+def _one_sync_at_a_time(run_dir: Path) -> Iterator[None]:
+    """An exclusive lock on the run directory itself, so that syncing writes no file of its own there."""
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:

@@ -624,13 +624,8 @@ def test_sigterm_before_a_new_run_owns_its_directory_still_ends_it_recorded(tmp_
         assert (run.info.status, run.data.tags["error"]) == ("KILLED", summary["error"])
 
 
-@pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
-def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and_no_twin(tmp_path, template_db,
-                                                                                          moment):
-    """SIGTERM while `sync` makes a run directory's MLflow run takes that run back; after kill -9 the next
-    sync takes it up again. Either way the run directory ends with one run, holding each point once."""
-    uri = store_in(tmp_path, template_db)
-    run_dir = tmp_path / "run"
+def finished_offline(run_dir: Path) -> Path:
+    """The records of a small run that finished with no store (no tracking.json)."""
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text("model:\n  depth: 4\n")
     now = time.time()
@@ -638,7 +633,32 @@ def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and
     written.append({"step": 3, "time": now + 4, "final": True, "status": "FINISHED", "val_bpb": 3.0})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
     (run_dir / "summary.json").write_text(json.dumps({"status": "FINISHED", "error": None, "steps": 3, "val_bpb": 3.0}))
+    return run_dir
 
+
+def test_two_syncs_of_one_run_at_once_make_one_mlflow_run(tmp_path, template_db):
+    """Both had looked for the run directory's MLflow run before either made it: two runs, twice in three."""
+    uri = store_in(tmp_path, template_db)
+    run_dir = finished_offline(tmp_path / "run")
+    both = [subprocess.Popen([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), f"tracking.uri={uri}"],
+                             cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in both]
+    assert [proc.returncode for proc in both] == [0, 0], outputs
+    client = MlflowClient(uri)
+    [run] = runs_of(client, run_dir)
+    assert sorted("already in sync" in out for out, _ in outputs) == [False, True], outputs
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        (1, 4.0), (2, 3.0), (3, 2.0)]
+
+
+@pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
+def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and_no_twin(tmp_path, template_db,
+                                                                                          moment):
+    """SIGTERM while `sync` makes a run directory's MLflow run takes that run back; after kill -9 the next
+    sync takes it up again. Either way the run directory ends with one run, holding each point once."""
+    uri = store_in(tmp_path, template_db)
+    run_dir = finished_offline(tmp_path / "run")
     stopped = signalled_launch(tmp_path, ["sync", str(run_dir), f"tracking.uri={uri}"], moment, "frontier.tracking")
     client = MlflowClient(uri)
     if moment.endswith("SIGKILL"):
