@@ -101,3 +101,24 @@ def wiki():
     if not WIKI.is_dir():
         pytest.skip(f"shared data not found at {WIKI}")
     return WIKI
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs of its own, so that the store's disk can really fill up (needs root to mount)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:  # until ENOSPC: the disk is full
+        while True:
+            f.write(b"\0" * 4096)
+    return filler

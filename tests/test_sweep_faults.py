@@ -20,7 +20,7 @@ import pytest
 from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
-from tests.conftest import POSTGRES, postgres_or_skip
+from tests.conftest import POSTGRES, fill, postgres_or_skip
 from tests.test_tracking_faults import MLFLOW_SIGNAL, Server, template_db  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -791,3 +791,66 @@ def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_fa
     client = MlflowClient(uri)
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("ended").experiment_id])}
     assert runs["trial-0"].info.status == "KILLED" and runs["sweep-ended"].info.status == "FAILED"
+
+
+# -----------------------------------------------------------------------------
+# A full disk
+
+
+def test_a_sweep_on_a_full_disk_is_one_line_and_leaves_no_empty_journal(tmp_path, small_disk):
+    """Its journal, or its folder, on a disk with no space left: tracebacks from deep inside had ended the
+    sweep (exit 1), leaving an empty journal, or a study whose driver never ended."""
+    filler = fill(small_disk)
+    journal = small_disk / "study.journal"
+    on_disk = subprocess.run(driver_command(tmp_path / "out", *SHORT, "sweep.n_trials=1", f"sweep.storage={journal}",
+                                            "tracking.enabled=false"), cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert on_disk.returncode == 2 and "Traceback" not in on_disk.stderr, on_disk.stderr[-3000:]
+    assert on_disk.stderr.splitlines()[-1] == (
+        f"error: sweep.storage='{journal}' cannot be written (OSError: [Errno 28] No space left on device); free space "
+        "there or give another storage"), on_disk.stderr[-3000:]
+    assert not journal.exists() and not (tmp_path / "out").exists()  # (its lock file stays, as beside any journal)
+
+    storage = tmp_path / "study.journal"
+    out = small_disk / "out"
+    folder_full = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
+                                                "sweep.study_name=full", "tracking.enabled=false"),
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert folder_full.returncode == 1 and "Traceback" not in folder_full.stdout + folder_full.stderr, (
+        folder_full.stdout + folder_full.stderr)[-3000:]
+    assert folder_full.stderr.splitlines()[-1] == (
+        f"error: the sweep stopped: its folder {out} cannot be written (OSError: [Errno 28] No space left on "
+        "device)"), folder_full.stderr[-3000:]
+    study = load(str(storage), "full")
+    assert study.trials == [] and drivers_ended(study) == [True]  # recorded: the next driver may take over
+    filler.unlink()
+
+
+@pytest.mark.slow
+def test_a_journal_whose_disk_filled_mid_sweep_goes_on_when_run_again(tmp_path, small_disk):
+    """The disk fills while trial 1 trains: the sweep stops with one line; once there is space, the same
+    command goes on with the study. A record cut short by the full disk had been glued to the next
+    driver's first one, and every read of the study failed from then on: its finished trial was lost."""
+    journal = small_disk / "study.journal"
+    command = driver_command(tmp_path / "out", *SHORT, "sweep.n_trials=3", "sweep.heartbeat_interval=1",
+                             f"sweep.grace_period={GRACE}", f"sweep.storage={journal}", "sweep.study_name=filled",
+                             "tracking.enabled=false")
+    driver = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_training(driver, tmp_path / "out" / "1" / "metrics.jsonl")
+        filler = fill(small_disk)
+        _, stderr = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith(f"error: the sweep stopped: its storage {journal} failed ("), stderr[-3000:]
+    first = load(str(journal), "filled").trials[0]
+    assert first.state == TrialState.COMPLETE
+
+    filler.unlink()
+    time.sleep(GRACE + 1)  # trial 1's heartbeats are stale: the next driver fails it, once
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert all(json.loads(line) for line in journal.read_bytes().splitlines())  # each line a whole record
+    trials = load(str(journal), "filled").trials
+    assert len(trials) == 3 and trials[0].state == TrialState.COMPLETE and trials[0].value == first.value

@@ -24,6 +24,7 @@ from mlflow import MlflowClient
 from frontier import tracking
 from frontier.config import PROJECT_ROOT
 from frontier.observers import read_records
+from tests.conftest import fill
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
 
@@ -698,27 +699,6 @@ def test_sigterm_while_a_resume_reopens_its_mlflow_run_ends_it_killed_again(tmp_
     [run] = runs_of(client, run_dir)
     assert run.info.status == "FINISHED" and "error" not in run.data.tags
     assert_in_mlflow_once(client, run.info.run_id, run_dir, same_values=False)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs of its own, so that the store's disk can really fill up (needs root to mount)."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-def fill(disk: Path) -> Path:
-    filler = disk / "filler"
-    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:  # until ENOSPC: the disk is full
-        while True:
-            f.write(b"\0" * 4096)
-    return filler
 
 
 def test_store_on_a_disk_that_fills_up_mid_run_then_sync(tmp_path, template_db, small_disk):

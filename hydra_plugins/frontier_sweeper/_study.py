@@ -320,9 +320,17 @@ class Sweep:
                                   f"are made beside it, and {found[0]} is not a writable directory ({found[1]})")
         # under the study's lock, and this driver recorded in it: a second driver starting at the same
         # moment with other overrides is refused, not let in to overwrite them
-        with ask_lock(self.storage_spec, self.storage, self.study_name):
-            study = self.load_or_create_study()
-            record_driver(study, self.driver)
+        journal = None if is_rdb(self.storage_spec) else Path(self.storage_spec).expanduser()
+        new_journal = journal is not None and journal.stat().st_size == 0
+        try:
+            with ask_lock(self.storage_spec, self.storage, self.study_name):
+                study = self.load_or_create_study()
+                record_driver(study, self.driver)
+        except OSError as err:  # a full disk: a journal write that failed was taken back (JournalFile)
+            if new_journal and journal.stat().st_size == 0:
+                journal.unlink()  # made for this sweep, and nothing was written to it
+            raise ConfigError(f"sweep.storage={self.storage_spec!r} cannot be written ({error_line(err)}); free "
+                              "space there or give another storage") from None
         return study
 
     def load_or_create_study(self) -> optuna.Study:
@@ -669,10 +677,15 @@ class Sweep:
         # an Event per worker, not Thread.join: a join interrupted by Ctrl-C can leave is_alive() wrong
         workers: list[tuple[threading.Thread, threading.Event]] = []
         try:
-            self.sweep_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
             try:
+                self.sweep_dir.mkdir(parents=True, exist_ok=True)
+                OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
                 self.start_tracking()
+            except OSError as err:  # a full disk: no trial could write its records there either
+                self.errors.append(SweepDirUnwritable(f"its folder {self.sweep_dir} cannot be written "
+                                                      f"({error_line(err)})"))
+                self.stop_reason = "its folder cannot be written"
+                self.stopping.set()
             except TrackingStartError as err:  # no trial starts; the report, the driver's end and the
                 self.errors.append(err)  # parent run (FAILED, if it was created) are still recorded
                 self.stop_reason = "its MLflow run could not be started"
@@ -714,7 +727,7 @@ class Sweep:
     def describe_error(self, err: BaseException) -> str:
         if isinstance(err, TrackingStartError):
             return f"the sweep stopped before its first trial: {err}"
-        if isinstance(err, SweepDirTaken):
+        if isinstance(err, (SweepDirTaken, SweepDirUnwritable)):
             return f"the sweep stopped: {err}"
         where = f"its storage {safe_storage(self.storage_spec)} failed" if from_storage(err) else "a worker failed"
         return (f"the sweep stopped: {where} ({store_error_line(err)}); each trial's summary.json and "
@@ -794,6 +807,10 @@ class Sweep:
 
 class SweepDirTaken(Exception):
     """A trial's folder holds another run's records, written there after the sweep's start was checked."""
+
+
+class SweepDirUnwritable(Exception):
+    """The sweep's folder could not be written as the sweep started (a full disk)."""
 
 
 class TrackingStartError(Exception):
