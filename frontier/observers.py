@@ -130,7 +130,8 @@ RECORD_FIELDS = ("step", "time", "checkpoint", "final", "status")  # a record's 
 
 def read_records(path, unreadable: list[int] | None = None) -> list[dict]:
     """The records of a metrics.jsonl; a line cut short by a killed process (or made unreadable on a
-    failing disk: bytes that are not UTF-8) is left out, its number appended to `unreadable`."""
+    failing disk: bytes that are not UTF-8, or edited: no integer step or no finite time) is left out,
+    its number appended to `unreadable`."""
     records = []
     with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
@@ -138,7 +139,8 @@ def read_records(path, unreadable: list[int] | None = None) -> list[dict]:
                 record = json.loads(line)
             except ValueError:
                 record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                    and not isinstance(record["step"], bool) and is_finite_number(record.get("time")):
                 records.append(record)
             elif unreadable is not None and line.strip():
                 unreadable.append(number)

@@ -854,7 +854,13 @@ def read_ack(run_dir: Path) -> dict:
         ack = json.loads((Path(run_dir) / ACK_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return ack if isinstance(ack, dict) else {}
+    if not isinstance(ack, dict):
+        return {}
+    # a field of another kind (an edited file) is as good as none: sync then compares point by point
+    return {key: ack[key] for key, kind in ACK_FIELDS.items() if isinstance(ack.get(key), kind)}
+
+
+ACK_FIELDS = {"uri": str, "run_id": str, "acked_records": int, "terminal_status": str}
 
 
 def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal_status: str | None) -> None:

@@ -491,12 +491,14 @@ def test_store_failing_mid_run_then_sync(tmp_path, store, monkeypatch, capfd):
 
     monkeypatch.undo()  # the store is back
     with open(run_dir / "metrics.jsonl", "ab") as f:  # and a failing disk left bytes that are not UTF-8
-        f.write(b"\x00\x00\x00\xff\xfe\n{\"step\": \"x\"}\n{\"step\": 9, \"tra")  # and lines that are no records
+        f.write(b"\x00\x00\x00\xff\xfe\n{\"step\": \"x\"}\n"  # and lines that are no records: sync had blamed
+                b"{\"step\": 9, \"time\": null, \"train/loss\": 1}\n{\"step\": 9, \"train/loss\": 1}\n"  # the store
+                b"{\"step\": 9, \"tra")  # for a record without its time, and failed every time
     lines = (run_dir / "metrics.jsonl").read_bytes().count(b"\n") + 1
     assert "status FINISHED" in tracking.sync(run_dir)
     warned = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: tracking:")]
-    assert warned == [f"warning: tracking: 3 line(s) of {run_dir / 'metrics.jsonl'} are not metrics records and "
-                      f"are left out (line {lines - 2}, {lines - 1}, {lines})"], warned
+    assert warned == [f"warning: tracking: 5 line(s) of {run_dir / 'metrics.jsonl'} are not metrics records and "
+                      f"are left out (line {lines - 4}, {lines - 3}, {lines - 2}, {lines - 1}, {lines})"], warned
     run = only_run(client)
     assert run.info.status == "FINISHED" and run.data.metrics["val_bpb"] == pytest.approx(bpb)
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
@@ -792,3 +794,10 @@ def test_a_postgresql_tracking_uri_records_the_run_with_the_driver_that_is_insta
     finally:
         admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")  # MLflow's client may still be connected
         admin.close()
+
+
+def test_a_tracking_json_field_of_another_kind_counts_as_not_there(tmp_path):
+    """An edited tracking.json (a number for the run id) made every sync stop, blamed on the store."""
+    (tmp_path / "tracking.json").write_text(json.dumps({"uri": 5, "run_id": "abc", "acked_records": "3",
+                                                        "terminal_status": None}))
+    assert tracking.read_ack(tmp_path) == {"run_id": "abc"}
