@@ -85,8 +85,8 @@ def main(argv: list[str]) -> dict:
         check_bundle(str(command.eval.core_bundle))
     path, run_id = find_checkpoint(command)
     saved = read_checkpoint(path, "checkpoint=")["config"]  # the run's config, read once
-    device = resolve_device(command.device, command.precision)  # after: a bad checkpoint is its one line
     as_the_run(command, saved, given)
+    device = resolve_device(command.device, command.precision)  # after: a bad checkpoint is its one line
     model = load_for_eval(path, device.torch_device)
     tokenizer = load_tokenizer(path)
     metrics: dict = {}
@@ -105,12 +105,16 @@ RUN_SETTINGS = ("final_tokens", "core_max_per_task")  # what the run's own figur
 
 
 def as_the_run(command: EvalCommand, saved: dict, given: set[str]) -> None:
-    """eval.final_tokens and eval.core_max_per_task not given are the run's own (`saved`: its config): its
-    val_bpb and CORE are scored again over the same tokens and items, not over this command's defaults."""
+    """eval.final_tokens, eval.core_max_per_task and a precision the run named, when not given, are the
+    run's own (`saved`: its config): its val_bpb and CORE are scored again over the same tokens and items
+    in the same arithmetic, not over this command's defaults (auto picked bf16 for an fp32 run on a CPU
+    with native bf16, and its val_bpb, logged as the run's latest, moved in the fifth digit)."""
     run_eval = saved.get("eval") or {}
     for key in RUN_SETTINGS:
         if f"eval.{key}" not in given and key in run_eval:
             setattr(command.eval, key, run_eval[key])
+    if "precision" not in given and saved.get("precision") in ("bf16", "fp32"):
+        command.precision = saved["precision"]
 
 
 class NotLogged(Exception):

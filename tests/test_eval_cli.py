@@ -19,7 +19,7 @@ def trained(tmp_path_factory, wiki):
         pytest.skip(f"CORE bundle not found at {BUNDLE}")
     run_dir = tmp_path_factory.mktemp("run")
     raw = compose_config([*FAST, "budget.max_steps=3", "eval.core=true", f"eval.core_bundle={BUNDLE}",
-                          "eval.core_max_per_task=2"])
+                          "eval.core_max_per_task=2", "precision=fp32"])
     train(raw, run_dir, RunDisplay(enabled=False))
     return run_dir
 
@@ -34,14 +34,15 @@ def test_training_with_core_records_it_over_the_tasks_present(trained):
 
 @pytest.mark.slow
 def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
-    """Without eval.final_tokens and eval.core_max_per_task it scores over the run's own settings."""
+    """Without eval.final_tokens, eval.core_max_per_task and precision it scores over the run's own settings
+    (auto had picked bf16 for this fp32 run on a CPU with native bf16)."""
     result = subprocess.run(
         [sys.executable, "-m", "frontier.eval", f"checkpoint={trained / 'final.pt'}", "device=cpu",
          f"eval.core_bundle={BUNDLE}", "val_bpb=true", "tracking.enabled=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "over 18 of 22 tasks (missing: hellaswag_zeroshot, hellaswag, squad, coqa)" in result.stderr
-    assert "items/s" in result.stderr
+    assert "items/s" in result.stderr and "precision fp32: precision=fp32" in result.stderr
     summary = json.loads((trained / "summary.json").read_text())
     printed = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
     assert printed["core_tasks"] == "18" and printed["val_tokens"] == str(summary["val_tokens"])
