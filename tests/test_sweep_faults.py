@@ -798,8 +798,9 @@ def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_fa
 
 
 def test_a_sweep_on_a_full_disk_is_one_line_and_leaves_no_empty_journal(tmp_path, small_disk):
-    """Its journal, or its folder, on a disk with no space left: tracebacks from deep inside had ended the
-    sweep (exit 1), leaving an empty journal, or a study whose driver never ended."""
+    """Its journal, or its folder, on a disk with no space left: one sentence, exit 2, before a study is
+    made; tracebacks from deep inside had ended the sweep (exit 1), leaving an empty journal, or a study
+    whose driver never ended."""
     filler = fill(small_disk)
     journal = small_disk / "study.journal"
     on_disk = subprocess.run(driver_command(tmp_path / "out", *SHORT, "sweep.n_trials=1", f"sweep.storage={journal}",
@@ -816,13 +817,12 @@ def test_a_sweep_on_a_full_disk_is_one_line_and_leaves_no_empty_journal(tmp_path
     folder_full = subprocess.run(driver_command(out, *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
                                                 "sweep.study_name=full", "tracking.enabled=false"),
                                  cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert folder_full.returncode == 1 and "Traceback" not in folder_full.stdout + folder_full.stderr, (
+    assert folder_full.returncode == 2 and "Traceback" not in folder_full.stdout + folder_full.stderr, (
         folder_full.stdout + folder_full.stderr)[-3000:]
     assert folder_full.stderr.splitlines()[-1] == (
-        f"error: the sweep stopped: its folder {out} cannot be written (OSError: [Errno 28] No space left on "
+        f"error: hydra.sweep.dir={out} is not allowed: it cannot be written (OSError: [Errno 28] No space left on "
         "device)"), folder_full.stderr[-3000:]
-    study = load(str(storage), "full")
-    assert study.trials == [] and drivers_ended(study) == [True]  # recorded: the next driver may take over
+    assert not storage.exists()  # no study was created
     filler.unlink()
 
 
@@ -854,3 +854,27 @@ def test_a_journal_whose_disk_filled_mid_sweep_goes_on_when_run_again(tmp_path, 
     assert all(json.loads(line) for line in journal.read_bytes().splitlines())  # each line a whole record
     trials = load(str(journal), "filled").trials
     assert len(trials) == 3 and trials[0].state == TrialState.COMPLETE and trials[0].value == first.value
+
+
+@pytest.mark.slow
+def test_two_studies_started_into_one_sweep_folder_at_once_run_one_and_refuse_the_other(tmp_path):
+    """Both passed the check of the folder's trial records before either wrote one: the first sweep wrote
+    over the other's trial 0 (its output.log) and went on."""
+    out = tmp_path / "out"
+    drivers = {name: subprocess.Popen(driver_command(out, *SHORT, "sweep.n_trials=1", "tracking.enabled=false",
+                                                     f"sweep.storage={tmp_path / name}.journal",
+                                                     f"sweep.study_name={name}"),
+                                      cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name in ("first", "second")}
+    ended = {name: (driver.communicate(timeout=300), driver.returncode) for name, driver in drivers.items()}
+    codes = sorted(code for _, code in ended.values())
+    assert codes == [0, 2], {name: (code, err[-2000:]) for name, ((_, err), code) in ended.items()}
+    [(ran, _)] = [(name, err) for name, ((_, err), code) in ended.items() if code == 0]
+    [(refused, err)] = [(name, err) for name, ((_, err), code) in ended.items() if code == 2]
+    assert err.splitlines()[-1] == (
+        f"error: hydra.sweep.dir={out} is not allowed: it holds the trials of study {ran!r}, which the trials of "
+        f"study {refused!r} would write over; give this sweep a directory of its own"), err[-3000:]
+    assert not (tmp_path / f"{refused}.journal").exists() or not load(str(tmp_path / f"{refused}.journal"),
+                                                                       refused).trials
+    assert (out / ".study").read_text() == f"{ran}\n"
+    assert json.loads((out / "0" / "summary.json").read_text())["status"] == "FINISHED"

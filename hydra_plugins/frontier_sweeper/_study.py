@@ -246,6 +246,7 @@ class Sweep:
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.driver = Process.this()
+        self.claimed = False  # this driver made the sweep folder's .study
         self.study = self.open_study()
         self.command = trainer_command(self.sweep.devices_per_trial)
         self.lock = threading.Lock()  # one ask or tell at a time in this process
@@ -326,11 +327,17 @@ class Sweep:
             with ask_lock(self.storage_spec, self.storage, self.study_name):
                 study = self.load_or_create_study()
                 record_driver(study, self.driver)
-        except OSError as err:  # a full disk: a journal write that failed was taken back (JournalFile)
+        except BaseException as err:  # what this driver made for a sweep refused before it ran is taken back
             if new_journal and journal.stat().st_size == 0:
-                journal.unlink()  # made for this sweep, and nothing was written to it
-            raise ConfigError(f"sweep.storage={self.storage_spec!r} cannot be written ({error_line(err)}); free "
-                              "space there or give another storage") from None
+                journal.unlink()
+            if self.claimed:
+                (self.sweep_dir / STUDY_MARKER).unlink()
+                with contextlib.suppress(OSError):
+                    self.sweep_dir.rmdir()  # if it made it
+            if isinstance(err, OSError):  # a full disk: a journal write that failed was taken back (JournalFile)
+                raise ConfigError(f"sweep.storage={self.storage_spec!r} cannot be written ({error_line(err)}); "
+                                  "free space there or give another storage") from None
+            raise
         return study
 
     def load_or_create_study(self) -> optuna.Study:
@@ -343,8 +350,10 @@ class Sweep:
             if study.trials or live_drivers(study, self.sweep.grace_period):
                 self.check_same_sweep(study)
             self.check_sweep_dir(held, len(study.get_trials(deepcopy=False)))
+            self.claim_sweep_dir()
         else:  # load_if_exists: on a database ask_lock cannot lock, another driver may create it meanwhile
             self.check_sweep_dir(held, 0)
+            self.claim_sweep_dir()
             study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                         pruner=build_pruner(**self.pruner), directions=self.objective.directions,
                                         load_if_exists=True)
@@ -377,6 +386,31 @@ class Sweep:
             raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: another sweep's trials left their "
                               f"outputs there ({shown}), which the trials of study {self.study_name!r} would write "
                               "over; give this sweep a directory of its own")
+
+    def claim_sweep_dir(self) -> None:
+        """SWEEP_DIR/.study names the study whose trials it holds, made by a link, which fails where one
+        exists: of two studies' sweeps started into one folder at once, both passed check_sweep_dir, and
+        the first wrote over the other's trial folders."""
+        marker, mine = self.sweep_dir / STUDY_MARKER, f"{self.study_name}\n"
+        try:
+            self.sweep_dir.mkdir(parents=True, exist_ok=True)
+            made = self.sweep_dir / f"{STUDY_MARKER}.{os.getpid()}"
+            made.write_text(mine)
+            try:
+                os.link(made, marker)
+                self.claimed = True
+            except FileExistsError:
+                pass
+            finally:
+                made.unlink()
+            theirs = marker.read_text()
+        except OSError as err:
+            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: it cannot be written "
+                              f"({error_line(err)})") from None
+        if theirs != mine:
+            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: it holds the trials of study "
+                              f"{theirs.strip()!r}, which the trials of study {self.study_name!r} would write over; "
+                              "give this sweep a directory of its own")
 
     def shared(self) -> dict:
         """What every driver of one study must agree on: another search space, sampler, seed or pruner
@@ -803,6 +837,9 @@ class Sweep:
         """The command that rebuilds this sweep's report (and ends its parent run, if still RUNNING)."""
         return (f"python -m frontier.sweep_report study={self.study_name} "
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
+
+
+STUDY_MARKER = ".study"  # in a sweep's folder: the study whose trials it holds
 
 
 class SweepDirTaken(Exception):
