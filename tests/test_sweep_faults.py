@@ -878,3 +878,27 @@ def test_two_studies_started_into_one_sweep_folder_at_once_run_one_and_refuse_th
                                                                        refused).trials
     assert (out / ".study").read_text() == f"{ran}\n"
     assert json.loads((out / "0" / "summary.json").read_text())["status"] == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_folder_s_disk_fills_stops_with_one_line_saying_so(tmp_path, small_disk):
+    """The disk of the sweep's folder fills while trial 0 trains: each trial had failed with "exit code 1"
+    (its output.log could not be written), the sweep had run them all, and it ended FINISHED, exit 0."""
+    out = small_disk / "out"
+    journal = tmp_path / "study.journal"
+    driver = subprocess.Popen(driver_command(out, "budget.seconds=600", "budget.max_steps=40", "sweep.n_trials=3",
+                                             "sweep.heartbeat_interval=1",
+                                             f"sweep.grace_period={GRACE}", f"sweep.storage={journal}",
+                                             "sweep.study_name=fills", "tracking.enabled=false"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_training(driver, out / "0" / "metrics.jsonl")
+        fill(small_disk)
+        _, stderr = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith(f"error: the sweep stopped: the disk of its folder {out} is full "
+                                              "(trial 0 failed: "), stderr[-3000:]
+    trials = load(str(journal), "fills").trials
+    assert [t.state for t in trials] == [TrialState.FAIL]  # no trial started after it

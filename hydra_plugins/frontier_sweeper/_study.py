@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -568,7 +569,7 @@ class Sweep:
                     return
                 self.run_trial(trial, slot)
         except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
-            if isinstance(err, (OSError, SweepDirTaken)) or from_storage(err):  # not a bug: no traceback
+            if isinstance(err, (OSError, SweepDirTaken, SweepDirUnwritable)) or from_storage(err):  # not a bug
                 log.error(f"worker on {slot.label} stopped: {store_error_line(err)}")
             else:  # a bug: its traceback helps
                 log.exception(f"worker on {slot.label} stopped")
@@ -697,6 +698,9 @@ class Sweep:
             if frozen.state == TrialState.FAIL:
                 self.failures += 1
         self.close_trial_runs([frozen])
+        if frozen.state == TrialState.FAIL and disk_full(run_dir):  # every next trial would fail the same way
+            raise SweepDirUnwritable(f"the disk of its folder {self.sweep_dir} is full (trial {trial.number} failed: "
+                                     f"{frozen.user_attrs.get('fail_reason', '')})")
         message = {TrialState.COMPLETE: ", ".join(f"{name} {value:.4f}" for name, value in
                                                 zip(self.objective.value_names, frozen.values or ())),
                    TrialState.PRUNED: frozen.user_attrs.get("prune_reason", "pruned")}.get(
@@ -847,7 +851,17 @@ class SweepDirTaken(Exception):
 
 
 class SweepDirUnwritable(Exception):
-    """The sweep's folder could not be written as the sweep started (a full disk)."""
+    """The sweep's folder cannot be written (a full disk)."""
+
+
+FULL_DISK_BYTES = 1 << 20  # less free than this where a trial failed: its records could not be written
+
+
+def disk_full(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
+    except OSError:
+        return False
 
 
 class TrackingStartError(Exception):
