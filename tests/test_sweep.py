@@ -6,6 +6,7 @@ CPU-sized model and budgets of a few steps, so that a trial takes seconds.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -227,14 +228,17 @@ def test_plain_multirun_grid_still_works(tmp_path):
 
 
 @pytest.fixture()
-def compose_sweep():
+def compose_sweep(tmp_path):
     """Builds the sweeper's Sweep from composed config, which validates everything up front."""
     from hydra_plugins.frontier_sweeper._study import Sweep
+
+    built = itertools.count()  # each Sweep a folder of its own: it claims it for its study
 
     def build(*overrides: str, params: dict | None = None):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("config", overrides=[*TINY, *overrides], return_hydra_config=True)
+            cfg = compose("config", overrides=[*TINY, f"hydra.sweep.dir={tmp_path / 'sweep' / str(next(built))}",
+                                               *overrides], return_hydra_config=True)
             if params is not None:
                 cfg.sweep.params = params
             return Sweep(cfg, list(overrides), GlobalHydra.instance().config_loader())

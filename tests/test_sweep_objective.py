@@ -2,6 +2,7 @@
 report's plots (checkpoints where they were measured, the pareto front)."""
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -31,10 +32,13 @@ def make_sweep(tmp_path):
     """A Sweep from composed config, as the sweeper builds it (every check up front)."""
     from hydra_plugins.frontier_sweeper._study import Sweep
 
+    built = itertools.count()  # each Sweep a folder of its own: it claims it for its study
+
     def build(*overrides: str):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("config", overrides=[*TINY, f"sweep.storage={tmp_path / 'study.journal'}", *overrides],
+            cfg = compose("config", overrides=[*TINY, f"sweep.storage={tmp_path / 'study.journal'}",
+                                               f"hydra.sweep.dir={tmp_path / 'sweep' / str(next(built))}", *overrides],
                           return_hydra_config=True)
             return Sweep(cfg, list(overrides), GlobalHydra.instance().config_loader())
 

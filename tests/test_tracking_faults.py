@@ -455,7 +455,8 @@ def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_e
     client = MlflowClient(server.url)
     run_id = client.create_run(client.create_experiment("sweeps")).info.run_id
     overrides = ["model=tiny", "sweep=lr", f"sweep.storage={tmp_path / 'study.journal'}", "sweep.study_name=closing",
-                 "tracking.enabled=true", f"tracking.uri={server.url}", "tracking.experiment=sweeps"]
+                 "tracking.enabled=true", f"tracking.uri={server.url}", "tracking.experiment=sweeps",
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
