@@ -226,6 +226,18 @@ def start_parent_run(tracking_cfg, name: str, params: dict, tags: dict, run_id: 
     return run.info.run_id
 
 
+def orphaned_parent_run(tracking_cfg, tags: dict, creators: set[str]) -> str | None:
+    """The one RUNNING run carrying `tags` whose `sweep.driver` tag names a driver in `creators`: a parent
+    run that a driver killed inside its creation (kill -9) made but never recorded in its study."""
+    client = MlflowClient(tracking_uri(tracking_cfg))
+    experiment = _retry(client.get_experiment_by_name, tracking_cfg.experiment)
+    if experiment is None:
+        return None
+    found = [run_id for run_id in _running_with_tags(client, experiment.experiment_id, tags)
+             if _retry(client.get_run, run_id).data.tags.get("sweep.driver") in creators]
+    return found[0] if len(found) == 1 else None
+
+
 def _running_with_tags(client: MlflowClient, experiment_id: str, tags: dict) -> list[str]:
     """The RUNNING runs of an experiment that carry every one of `tags`."""
     if not tags or any("'" in str(value) or "`" in key for key, value in tags.items()):

@@ -521,6 +521,38 @@ def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_ke
     assert not study.trials and drivers_ended(study) == [True]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["create_run:1:SIGKILL", "log_batch:1:SIGKILL"])
+def test_a_driver_killed_as_it_makes_the_parent_run_leaves_one_run_the_next_driver_continues(tmp_path, template_db,
+                                                                                             moment):
+    """kill -9 as the parent run is created: the run is in the store, its id nowhere in the study. The
+    next driver opened a second parent run and the first stayed RUNNING for good."""
+    from mlflow import MlflowClient
+
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = str(tmp_path / "study.journal")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
+    command = driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
+                             "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=orphan")
+    killed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+                                 "FRONTIER_TEST_MLFLOW_SIGNAL": moment})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "mlflow_run_id" not in load(storage, "orphan").user_attrs  # the run was made, and never recorded
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    client = MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [run for run in runs if run.data.tags.get("run_kind") == "sweep"]
+    assert parent.info.status == "FINISHED"
+    assert load(storage, "orphan").user_attrs["mlflow_run_id"] == parent.info.run_id
+    assert [run.data.tags.get("mlflow.parentRunId") for run in runs if run is not parent] == [parent.info.run_id]
+
+
 # A test-only sitecustomize.py: the tracking store fails every MlflowClient.log_batch, as one that goes away
 # between the command line's check and the sweep's start.
 FAILING_LOG_BATCH = """

@@ -378,6 +378,19 @@ class Sweep:
         return sorted(int(path.name) for path in self.sweep_dir.iterdir()
                       if path.name.isdigit() and path.is_dir() and earlier_records(path))
 
+    def unrecorded_parent_run(self, tracking, cfg) -> str | None:
+        """The parent run a driver of this study that is gone made without recording it in the study."""
+        recorded = {key.removeprefix("driver:") for key in
+                    self.study._storage.get_study_system_attrs(self.study._study_id) if key.startswith("driver:")}
+        gone = recorded - {str(driver) for driver in live_drivers(self.study, self.sweep.grace_period)}
+        if not gone:
+            return None
+        try:
+            return tracking.orphaned_parent_run(cfg, {"sweep.study": self.study_name, tracking.RUN_KIND_TAG: "sweep"},
+                                                gone)
+        except Exception:  # the store failed: start_parent_run meets it too, and says so
+            return None
+
     def check_sweep_dir(self, held: list[int], trials: int) -> None:
         """Trial N writes SWEEP_DIR/N: a folder there with records and a number this study has not
         reached belongs to another study's sweep, whose outputs this one would write over."""
@@ -460,6 +473,8 @@ class Sweep:
         with self.locked():  # two drivers starting together must not create two parent runs
             attrs = self.study.user_attrs
             existing = attrs.get("mlflow_run_id") if attrs.get("mlflow_tracking_uri") == uri else None
+            if existing is None:  # one its driver made but never recorded (killed as it made it) is continued
+                existing = self.unrecorded_parent_run(tracking, cfg)
             opened = {}
             try:
                 tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
