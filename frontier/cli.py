@@ -439,7 +439,8 @@ class Composer:
         """Why `override` does not compose onto `before`, in words."""
         line, key = override.input_line, override.key_or_group
         missing = re.match(r"In '([^']+)': Could not load '([^']+)'", str(err))
-        if isinstance(err, MissingConfigException) and missing:  # the chosen preset's defaults list names it
+        if isinstance(err, MissingConfigException) and missing and missing[1] != self.config_name:
+            # the chosen preset's own defaults list names it (the primary's is where the override's choice goes)
             where, entry = missing.groups()
             group, _, name = entry.rpartition("/")
             return (f"{line} is not allowed: in its config {where}, the defaults entry {name} is not there"
