@@ -491,6 +491,22 @@ def test_a_driver_interrupted_while_its_trial_records_its_end_keeps_that_trials_
     assert trial.value == pytest.approx(summary["val_bpb"])
 
 
+def tracked_sweep(tmp_path: Path, template_db: Path, study: str,
+                  site_code: str = MLFLOW_SIGNAL) -> tuple[str, str, list[str], dict]:
+    """A one-trial sweep tracked in a SQLite store of its own: its store, journal, command, and an
+    environment that runs `site_code` as it starts (by default: FRONTIER_TEST_MLFLOW_SIGNAL signals it
+    inside an MLflow call)."""
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = str(tmp_path / "study.journal")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(site_code)
+    command = driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
+                             "sweep.n_trials=1", f"sweep.storage={storage}", f"sweep.study_name={study}")
+    return uri, storage, command, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["create_run:1", "log_batch:1"])
 def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_keeps_it(tmp_path, template_db,
@@ -500,17 +516,9 @@ def test_sigterm_while_the_parent_run_is_created_ends_it_killed_and_the_study_ke
     study, and the study's next driver opened a second parent run."""
     from mlflow import MlflowClient
 
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    storage = str(tmp_path / "study.journal")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
-           "FRONTIER_TEST_MLFLOW_SIGNAL": moment}
-    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
-                                         "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=signalled"),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    uri, storage, command, env = tracked_sweep(tmp_path, template_db, "signalled")
+    done = subprocess.run(command, cwd=ROOT, env={**env, "FRONTIER_TEST_MLFLOW_SIGNAL": moment}, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 130, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
     client = MlflowClient(uri)
@@ -529,17 +537,9 @@ def test_a_driver_killed_as_it_makes_the_parent_run_leaves_one_run_the_next_driv
     next driver opened a second parent run and the first stayed RUNNING for good."""
     from mlflow import MlflowClient
 
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    storage = str(tmp_path / "study.journal")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(MLFLOW_SIGNAL)
-    command = driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
-                             "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=orphan")
-    killed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
-                                 "FRONTIER_TEST_MLFLOW_SIGNAL": moment})
+    uri, storage, command, env = tracked_sweep(tmp_path, template_db, "orphan")
+    killed = subprocess.run(command, cwd=ROOT, env={**env, "FRONTIER_TEST_MLFLOW_SIGNAL": moment},
+                            capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "mlflow_run_id" not in load(storage, "orphan").user_attrs  # the run was made, and never recorded
 
@@ -572,16 +572,8 @@ def test_a_store_failing_as_the_parent_run_starts_is_one_error_line_and_the_run_
     run left RUNNING, no report and the driver never recorded as ended."""
     from mlflow import MlflowClient
 
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    storage = str(tmp_path / "study.journal")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(FAILING_LOG_BATCH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "tracking.enabled=true", f"tracking.uri={uri}",
-                                         "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=failing"),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    uri, storage, command, env = tracked_sweep(tmp_path, template_db, "failing", FAILING_LOG_BATCH)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
