@@ -617,6 +617,9 @@ def log_metrics_to_run(uri: str, run_id: str, metrics: dict) -> None:
     """Adds metrics to an existing run (finished or not) in the store at `uri`, e.g. CORE computed later:
     each at the last step its key already has there, so that it becomes the run's latest value (MLflow
     shows the point of the highest step: at step 0, a CORE of the training's last step would hide it)."""
+    db = paths.sqlite_path(uri)
+    if db is not None and not db.expanduser().is_file():  # opening it would make an empty store there
+        raise FileNotFoundError(f"there is no MLflow store at {db}")
     client = MlflowClient(uri)
     now = _now_ms()
     logged = _retry(client.get_run, run_id).data.metrics

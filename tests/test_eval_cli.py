@@ -241,4 +241,7 @@ def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
     result = evaluate(f"tracking.uri={other}")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "core_tasks: 18" in result.stdout
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: not logged to MLflow run {run_id} in {other}")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: not logged to MLflow run {run_id} in {other} (FileNotFoundError: there is no MLflow store at "
+        f"{tmp_path / 'other.db'}); the figures above are the result")
+    assert not (tmp_path / "other.db").exists()  # a mistyped store is not made just to fail
