@@ -8,7 +8,7 @@ Signals are deferred: while the training loop runs, SIGTERM or SIGINT only sets 
 loop stops at the next step boundary, where the model, optimizers, loader, clock and RNG all
 belong to the same step and resume.pt can be written. A second signal within ABORT_WINDOW
 seconds aborts at once (without writing resume.pt), except in a data-parallel rank, which a launcher
-can signal twice for one stop. `request_stop` sets the same flag from any
+can signal twice for one stop, and except an echo of the first within ECHO_WINDOW. `request_stop` sets the same flag from any
 thread (e.g. a sweep trial whose driver is gone).
 
 A run directory has one owner at a time: the process training in it holds an exclusive lock on its
@@ -35,6 +35,9 @@ from frontier.config import ConfigError, error_line, raised_from
 from frontier.observers import MetricsFile, notify
 
 ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
+# seconds: a signal this soon after the first is the same stop delivered twice (GNU timeout and batch
+# schedulers signal the process and then its whole process group), not a user asking to abort
+ECHO_WINDOW = 0.25
 LOCK_FILE = "run.lock"
 # what a run leaves in its directory, which a new run there would write over or add its own records to
 RUN_RECORDS = ("summary.json", "metrics.jsonl", "resume.pt", "final.pt")
@@ -88,6 +91,8 @@ def _on_signal(signum, frame) -> None:
     global _first_signal_at, _stop_reason
     name = signal.Signals(signum).name
     now = time.monotonic()
+    if now - _first_signal_at < ECHO_WINDOW:
+        return
     if _ending:  # the records of the run's end are being written: let them finish
         with _lock:
             _stop_reason = _stop_reason or f"interrupted by {name}"
@@ -95,6 +100,7 @@ def _on_signal(signum, frame) -> None:
         return
     if not _deferring:  # setting up or finishing: nothing to save at a step boundary
         reason = _stop_reason = _stop_reason or f"interrupted by {name}"  # kept for raise_if_stopped
+        _first_signal_at = now
         print(f"{reason}: stopping now (no training step to finish)", file=sys.stderr, flush=True)
         raise KeyboardInterrupt(reason)
     if _data_parallel():  # the launcher passes one stop on to every rank: a rank can get it twice at once
