@@ -283,10 +283,12 @@ def main(argv: list[str]) -> dict:
                 "batch_tokens": figures["batch_tokens"], "precision": figures["device"].precision, **rates,
                 "profile": figures["profile"],
             })
-    for row in rows:  # each kernel against the reference of the same model, measured in this process
-        base = next((r for r in rows if r["model"] == row["model"] and r["kernel"] == "reference"), None)
-        key = "cpu_seconds_per_step" if on_cpu else "step_seconds"  # CPU time: fair when the load changed
-        row["speedup_vs_reference"] = base[key] / row[key] if base else None
+            compare_with_reference(rows, on_cpu)
+            if bench.output:  # after every row: a benchmark cut short keeps what it measured
+                write_rows(Path(bench.output), rows)
+            r = rows[-1]
+            console.print(f"{model} {kernel}: {r['tokens_per_second']:,.0f} tokens/s, {r['mfu_measured']:.1%} of the "
+                          f"matmul rate")
 
     for precision, rate in cpu_rates.items():
         console.print(f"matmul {precision}: {rate / 1e9:,.1f} GFLOP per CPU-second")
@@ -324,11 +326,28 @@ def main(argv: list[str]) -> dict:
 
     report = {"rows": rows, "ops": ops, **rates, "device": device.name, "cpu_capability": capability}
     if bench.output:
-        Path(bench.output).write_text(json.dumps(rows, indent=2))
         console.print(f"wrote {bench.output}")
     if bench.mlflow:
         log_to_mlflow(report, first)
     return report
+
+
+def compare_with_reference(rows: list[dict], on_cpu: bool) -> None:
+    """Each row's speed-up over the reference kernel of the same model, measured in this process."""
+    key = "cpu_seconds_per_step" if on_cpu else "step_seconds"  # CPU time: fair when the load changed
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["kernel"] == "reference"), None)
+        row["speedup_vs_reference"] = base[key] / row[key] if base else None
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps(rows, indent=2))
+        partial.replace(path)  # whole or not at all, should the benchmark be stopped while it writes
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def log_to_mlflow(report: dict, raw) -> None:

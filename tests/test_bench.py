@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -34,6 +35,27 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     shares = [o["share"] for o in row["profile"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
     assert any(o["op"] in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm") for o in row["profile"])
+
+
+def test_a_bench_stopped_midway_keeps_the_rows_it_measured(tmp_path):
+    out = tmp_path / "bench.json"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference,compiled]",
+         "bench.warmup=1", "bench.steps=1", "bench.ops=false", f"bench.output={out}", "train.batch_tokens=512",
+         "train.device_batch_rows=2", "data.vocab_size=1024"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in bench.stdout:  # the first row is printed as soon as it is measured
+            if line.startswith("tiny reference:"):
+                bench.send_signal(signal.SIGTERM)  # while the compiled model compiles: a job's time limit
+                break
+        output = line + bench.communicate(timeout=120)[0]
+    finally:
+        bench.kill()
+    assert bench.returncode == 130 and "Traceback" not in output, output
+    (row,) = json.loads(out.read_text())
+    assert row["kernel"] == "reference" and row["tokens_per_second"] > 0
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_bench_rejects_an_unknown_key():
