@@ -22,9 +22,9 @@
 #
 # Environment knobs: OUT, PYTHON (python3), DATA (a directory of parquet shards), TOKENIZER (a
 # tokenizer.json; else one is trained), PARTS (gpu_tests bench train torchrun: the parts to run),
-# BENCH_MODELS (base), BATCH_TOKENS (262144), DEVICE_ROWS (64), TRAIN_SECONDS (60),
-# TORCHRUN_SECONDS (10), GPU_CHECK_SECONDS (540: the whole script's allowance; each part gets at
-# most what is left), GPU_CHECK_WORK (run directories and caches; /tmp/gpu_check_work).
+# BENCH_MODELS (base), BENCH_KERNELS (reference,compiled,triton), BATCH_TOKENS (262144), DEVICE_ROWS (64),
+# TRAIN_SECONDS (60), TORCHRUN_SECONDS (10), GPU_CHECK_SECONDS (540: the whole script's allowance; each
+# part gets at most what is left), GPU_CHECK_WORK (run directories and caches; /tmp/gpu_check_work).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +33,7 @@ OUT=${OUT:-./gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
 PARTS=" ${PARTS:-gpu_tests bench train torchrun} "
 BENCH_MODELS=${BENCH_MODELS:-base}
+BENCH_KERNELS=${BENCH_KERNELS:-reference,compiled,triton}
 BATCH_TOKENS=${BATCH_TOKENS:-262144}
 DEVICE_ROWS=${DEVICE_ROWS:-64}
 TRAIN_SECONDS=${TRAIN_SECONDS:-60}
@@ -153,7 +154,7 @@ TRAIN_ARGS=(model=base kernel=compiled device=cuda precision=bf16 "data.path=$DA
             "train.batch_tokens=$BATCH_TOKENS" "train.device_batch_rows=$DEVICE_ROWS" eval.every_fraction=0
             checkpoint.every_fraction=0 tracking.enabled=false)
 [[ -n $TOKENIZER ]] && TRAIN_ARGS+=("data.tokenizer_path=$(realpath "$TOKENIZER")")
-BENCH_GRID=("bench.models=[$BENCH_MODELS]" "bench.kernels=[reference,compiled,triton]")
+BENCH_GRID=("bench.models=[$BENCH_MODELS]" "bench.kernels=[$BENCH_KERNELS]")
 TESTS=("$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_gpu.py "--junitxml=$OUT/gpu_tests.xml")
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m frontier.train)
 # a run's overrides, composed and checked as `python -m frontier.train` would, without running it
