@@ -275,31 +275,30 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                           "query=SHELL (e.g. install=bash)")
     if args.config_dir is not None and not Path(args.config_dir).is_dir():
         raise ConfigError(f"--config-dir={args.config_dir} is not allowed: it is not a directory")
+    if args.shell_completion:
+        return  # it only shows things; Hydra's errors there still become one sentence
     config_name = args.config_name or config_name
-    if not args.shell_completion:  # Hydra's "Cannot find primary config" names neither the option nor the choices
-        with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+    with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+        if not app.primary_exists():  # Hydra's "Cannot find primary config" names neither the option nor the choices
             choices = app.primary_configs()
-            if not app.primary_exists() and args.config_path is not None and not choices:
+            if args.config_path is not None and not choices:
                 raise ConfigError(f"--config-path={args.config_path} is not allowed: no config is there (it "
                                   "takes a folder of YAML configs; a relative path is read from the frontier package)")
-            if not app.primary_exists():
-                raise ConfigError(f"--config-name={config_name} is not allowed: there is no such primary config; "
-                                  f"choose one of {', '.join(choices)}")
-    if args.cfg and args.package not in (None, "_global_"):
-        with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+            raise ConfigError(f"--config-name={config_name} is not allowed: there is no such primary config; "
+                              f"choose one of {', '.join(choices)}")
+        if args.cfg and args.package not in (None, "_global_"):
             cfg = app.compose([parse_override(arg) for arg in args.overrides], RunMode.RUN)
-        top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
-        shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
-        try:
-            found = OmegaConf.select(cfg, args.package) is not None
-        except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
-            found = True
-        if not shown or not found:
-            raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
-    if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
-        return  # they only show things; Hydra's errors there still become one sentence
-    overrides = [parse_override(arg) for arg in args.overrides]
-    with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
+            top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
+            shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
+            try:
+                found = OmegaConf.select(cfg, args.package) is not None
+            except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
+                found = True
+            if not shown or not found:
+                raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
+        if args.help or args.hydra_help or args.info or args.experimental_rerun:
+            return  # they only show things; Hydra's errors there still become one sentence
+        overrides = [parse_override(arg) for arg in args.overrides]
         mode = RunMode.RUN if args.cfg else app.mode(overrides, args.multirun)  # --cfg shows one run's config
         if mode == RunMode.RUN:
             for override in overrides:
@@ -561,18 +560,24 @@ def key_problem(cfg: DictConfig, key: str, options: Callable[[str], list[str]]) 
 
 def schema_key_problem(cfg: DictConfig, key: str) -> Optional[str]:
     """A key the typed schema has no place for (the nearest one, or all), None where it has or does not say."""
+    return _schema_at(cfg, key)[1]
+
+
+def _schema_at(cfg: DictConfig, key: str) -> tuple[Any, Optional[str]]:
+    """The schema's type hint at `key` (None where the schema does not say), and for a key it has no
+    place for, the words naming the nearest keys it has."""
     hint: Any = OmegaConf.get_type(cfg)
     walked: list[str] = []
     for part in key.split("."):
         hint = _without_none(hint)
         if not is_dataclass(hint):
-            return None
+            return None, None
         names = [f.name for f in fields(hint)]
         if part not in names:
-            return key_hint(".".join(walked), part, names)
+            return None, key_hint(".".join(walked), part, names)
         hint = typing.get_type_hints(hint)[part]
         walked.append(part)
-    return None
+    return hint, None
 
 
 WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -581,12 +586,7 @@ PLURAL = {int: "integers", float: "numbers", bool: "booleans", str: "strings"}
 
 def allowed_type(cfg: DictConfig, key: str) -> Optional[str]:
     """What the schema allows at `key`, in words (None where it does not say)."""
-    hint: Any = OmegaConf.get_type(cfg)
-    for part in key.split("."):
-        hint = _without_none(hint)
-        if not is_dataclass(hint):
-            return None
-        hint = typing.get_type_hints(hint).get(part)
+    hint = _schema_at(cfg, key)[0]
     return _words(hint) if hint is not None else None
 
 

@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 
 from frontier.cli import command, print_help_if_asked
 from frontier.config import ConfigError, TrackingConfig, error_line, key_hint
-from frontier.paths import sqlite_path
+from frontier.paths import missing_sqlite_store
 from frontier.tracking import RUN_KIND_TAG, probe_store, tracking_uri
 
 # Bookkeeping, not knobs: always differs between runs and says nothing about the result.
@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err} (usage: {USAGE.strip('`')})", file=sys.stderr)
         return 2
     uri = tracking_uri(SimpleNamespace(uri=args.uri))
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():  # do not create an empty store just to read it
+    if missing_sqlite_store(uri):  # do not create an empty store just to read it
         print(f"error: tracking.uri={uri} is not allowed: there is no MLflow store there yet (train a run "
               "first, or name the store the runs went to)", file=sys.stderr)
         return 2

@@ -66,6 +66,20 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def missing_sqlite_store(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URL when it is not a file: a command that only reads a
+    store must say so rather than open it, which would create an empty store there. None otherwise."""
+    path = sqlite_path(uri)
+    return path if path is not None and not path.expanduser().is_file() else None
+
+
+def is_sqlite_file(path: Path) -> bool:
+    """A file SQLite can open as a database: empty, or starting with SQLite's header."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    return head in (b"", b"SQLite format 3\x00")
+
+
 def store_under_home(spec: str) -> str:
     """A store given as a relative file path or a relative `sqlite:///` URL is taken from home, like
     every other path Frontier resolves, so a command finds the same store wherever it runs;

@@ -128,7 +128,7 @@ def probe_store(tracking_cfg) -> None:
 
 
 def check_store_folder(tracking_cfg) -> None:
-    """A SQLite store must be one that can be created where it is named, found out before anything is
+    """A SQLite store must be a database, or one that can be created where it is named, found out before anything is
     written (the database itself is made when the run or sweep starts, after Hydra has written its
     run or sweep directory and a sweep its study)."""
     uri = tracking_uri(tracking_cfg)
@@ -139,6 +139,10 @@ def check_store_folder(tracking_cfg) -> None:
     if db.is_dir():
         raise ConfigError(f"tracking.uri={uri} is not allowed: {db} is a directory; name the database "
                           "file, e.g. sqlite:///mlruns/mlflow.db")
+    with contextlib.suppress(OSError):  # one that cannot be read is told when it is opened
+        if db.is_file() and not paths.is_sqlite_file(db):  # MLflow would fail only once Hydra has written
+            raise ConfigError(f"tracking.uri={uri} is not allowed: {db} is a file that is not a SQLite "
+                              "database; name the MLflow store, or a file that does not exist yet")
     found = unwritable(db.parent)
     if found:
         raise ConfigError(f"tracking.uri={uri} is not allowed: its database cannot be created "
@@ -582,8 +586,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
 def run_dir_of(tracking_cfg, run_id: str, key: str) -> Path:
     """The directory a run wrote to (its `run_dir` tag); `key` is the argument that gave the run id."""
     uri = tracking_uri(tracking_cfg)
-    db = paths.sqlite_path(uri)
-    if db is not None and not db.expanduser().is_file():  # opening it would create an empty store
+    if paths.missing_sqlite_store(uri):
         raise ConfigError(f"{key}={run_id} is not allowed: there is no MLflow store at tracking.uri={uri} (name the "
                           "store the run went to)")
     probe_store(tracking_cfg)  # a server that does not answer: one line now, not minutes of retries
@@ -617,9 +620,9 @@ def log_metrics_to_run(uri: str, run_id: str, metrics: dict) -> None:
     """Adds metrics to an existing run (finished or not) in the store at `uri`, e.g. CORE computed later:
     each at the last step its key already has there, so that it becomes the run's latest value (MLflow
     shows the point of the highest step: at step 0, a CORE of the training's last step would hide it)."""
-    db = paths.sqlite_path(uri)
-    if db is not None and not db.expanduser().is_file():  # opening it would make an empty store there
-        raise FileNotFoundError(f"there is no MLflow store at {db}")
+    missing = paths.missing_sqlite_store(uri)
+    if missing:
+        raise FileNotFoundError(f"there is no MLflow store at {missing}")
     client = MlflowClient(uri)
     now = _now_ms()
     logged = _retry(client.get_run, run_id).data.metrics

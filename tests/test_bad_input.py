@@ -287,6 +287,24 @@ def test_a_tracking_store_that_cannot_be_created_is_refused_before_anything_is_w
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
+@pytest.mark.parametrize("args", [[], ["--multirun", "sweep=lr"]], ids=["run", "sweep"])
+def test_a_tracking_store_that_is_not_a_database_is_refused_before_anything_is_written(tmp_path, args):
+    """MLflow failed on it only once Hydra had made the run directory (a FAILED run, 'not started')."""
+    notes = tmp_path / "notes.db"
+    notes.write_text("a text file, not a database\n")
+    uri = f"sqlite:///{notes}"
+    options, overrides = args[:1], args[1:]
+    if overrides:
+        overrides.append(f"sweep.storage={tmp_path}/study.journal")
+    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides, f"tracking.uri={uri}"],
+                     timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: tracking.uri={uri} is not allowed: {notes} is a file that is not a SQLite " \
+                            "database; name the MLflow store, or a file that does not exist yet\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.db"]
+    assert notes.read_text() == "a text file, not a database\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["device=cuda"], "device='cuda' is not available: torch "),
     (["kernel=nki"], "the nki kernels (rmsnorm, relu2) cannot run here: "),

@@ -329,10 +329,11 @@ class Sweep:
                 study = self.load_or_create_study()
                 record_driver(study, self.driver)
         except BaseException as err:  # what this driver made for a sweep refused before it ran is taken back
-            if new_journal and journal.stat().st_size == 0:
-                journal.unlink()
+            with contextlib.suppress(OSError):  # gone meanwhile: the error that brought us here is the one to tell
+                if new_journal and journal.stat().st_size == 0:
+                    journal.unlink()
             if self.claimed:
-                (self.sweep_dir / STUDY_MARKER).unlink()
+                (self.sweep_dir / STUDY_MARKER).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     self.sweep_dir.rmdir()  # if it made it
             if isinstance(err, OSError):  # a full disk: a journal write that failed was taken back (JournalFile)
