@@ -267,42 +267,30 @@ def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
+@pytest.mark.parametrize("store", ["in a file", "not a database"])
 @pytest.mark.parametrize("args", [[], ["--multirun", "sweep=lr"],
                                   ["--multirun", "sweep=lr", "tracking.required=false"]],
                          ids=["run", "sweep", "sweep, not required"])
-def test_a_tracking_store_that_cannot_be_created_is_refused_before_anything_is_written(tmp_path, args):
-    """A SQLite tracking.uri whose folder cannot be created was found only as the store was opened: by
-    then Hydra had made the run directory, and a sweep its sweep directory and its study (whose driver
-    opens the store whatever tracking.required says)."""
-    (tmp_path / "a_file").write_text("")
-    uri = f"sqlite:///{tmp_path / 'a_file' / 'mlflow.db'}"
+def test_a_tracking_store_that_cannot_be_used_is_refused_before_anything_is_written(tmp_path, args, store):
+    """A SQLite tracking.uri whose folder cannot be created, or that names a file that is not a database,
+    was found only as the store was opened: by then Hydra had made the run directory (a FAILED run, 'not
+    started'), and a sweep its sweep directory and its study (whose driver opens the store whatever
+    tracking.required says)."""
+    text = "a text file, not a database\n"
+    (tmp_path / "a_file").write_text(text)
+    db = tmp_path / "a_file" / "mlflow.db" if store == "in a file" else tmp_path / "a_file"
+    uri = f"sqlite:///{db}"
     options, overrides = args[:1], args[1:]
     if overrides:
         overrides.append(f"sweep.storage={tmp_path}/study.journal")
     result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides, f"tracking.uri={uri}"],
                      timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr == f"error: tracking.uri={uri} is not allowed: its database cannot be created (Not a " \
-                            f"directory); {tmp_path / 'a_file'} is not a writable directory\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
-
-
-@pytest.mark.parametrize("args", [[], ["--multirun", "sweep=lr"]], ids=["run", "sweep"])
-def test_a_tracking_store_that_is_not_a_database_is_refused_before_anything_is_written(tmp_path, args):
-    """MLflow failed on it only once Hydra had made the run directory (a FAILED run, 'not started')."""
-    notes = tmp_path / "notes.db"
-    notes.write_text("a text file, not a database\n")
-    uri = f"sqlite:///{notes}"
-    options, overrides = args[:1], args[1:]
-    if overrides:
-        overrides.append(f"sweep.storage={tmp_path}/study.journal")
-    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides, f"tracking.uri={uri}"],
-                     timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr == f"error: tracking.uri={uri} is not allowed: {notes} is a file that is not a SQLite " \
-                            "database; name the MLflow store, or a file that does not exist yet\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.db"]
-    assert notes.read_text() == "a text file, not a database\n"
+    problem = (f"its database cannot be created (Not a directory); {tmp_path / 'a_file'} is not a writable directory"
+               if store == "in a file" else
+               f"{db} is a file that is not a SQLite database; name the MLflow store, or a file that does not exist yet")
+    assert result.stderr == f"error: tracking.uri={uri} is not allowed: {problem}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"] and (tmp_path / "a_file").read_text() == text
 
 
 @pytest.mark.parametrize("args, message", [

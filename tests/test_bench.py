@@ -8,14 +8,15 @@ import pytest
 
 from tests.conftest import ROOT
 
+# a tiny model's step, one untimed and one timed, as `python -m frontier.bench ...`
+TINY_BENCH = [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.warmup=1", "bench.steps=1",
+              "train.batch_tokens=512", "train.device_batch_rows=2", "data.vocab_size=1024"]
+
 
 def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference]",
-         "bench.warmup=1", "bench.steps=1", "bench.profile=5", f"bench.output={out}", "train.batch_tokens=512",
-         "train.device_batch_rows=2", "data.vocab_size=1024"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [*TINY_BENCH, "bench.kernels=[reference]", "bench.profile=5", f"bench.output={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "COLUMNS": "200"})  # wide enough that no column header wraps
     assert result.returncode == 0, result.stderr
     assert "training step throughput" in result.stdout and "ops, forward + backward" in result.stdout
@@ -40,10 +41,7 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
 def test_a_bench_stopped_midway_keeps_the_rows_it_measured(tmp_path):
     out = tmp_path / "bench.json"
     bench = subprocess.Popen(
-        [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.kernels=[reference,compiled]",
-         "bench.warmup=1", "bench.steps=1", "bench.ops=false", f"bench.output={out}", "train.batch_tokens=512",
-         "train.device_batch_rows=2", "data.vocab_size=1024"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [*TINY_BENCH, "bench.kernels=[reference,compiled]", "bench.ops=false", f"bench.output={out}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in bench.stdout:  # the first row is printed as soon as it is measured
             if line.startswith("tiny reference:"):
