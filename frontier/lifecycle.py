@@ -91,12 +91,12 @@ def _on_signal(signum, frame) -> None:
     global _first_signal_at, _stop_reason
     name = signal.Signals(signum).name
     now = time.monotonic()
-    if now - _first_signal_at < ECHO_WINDOW:
-        return
     if _ending:  # the records of the run's end are being written: let them finish
         with _lock:
             _stop_reason = _stop_reason or f"interrupted by {name}"
         print(f"{name}: the run is already ending; its records are being written", file=sys.stderr, flush=True)
+        return
+    if now - _first_signal_at < ECHO_WINDOW:
         return
     if not _deferring:  # setting up or finishing: nothing to save at a step boundary
         reason = _stop_reason = _stop_reason or f"interrupted by {name}"  # kept for raise_if_stopped
