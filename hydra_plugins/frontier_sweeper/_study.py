@@ -304,7 +304,8 @@ class Sweep:
         return f"{why} (from the search space {self.written[override.key_or_group]})"
 
     def open_study(self) -> optuna.Study:
-        damaged = None if is_rdb(self.storage_spec) else damaged_journal(self.storage_spec)
+        journal = None if is_rdb(self.storage_spec) else Path(self.storage_spec).expanduser()
+        damaged = None if journal is None else damaged_journal(self.storage_spec)
         if damaged:  # Optuna would append to it, then fail on reading it back
             raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: {damaged}; give another file")
         try:
@@ -315,14 +316,13 @@ class Sweep:
             raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
                               f"({error_line(err)}): give a reachable "
                               "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
-        if not is_rdb(self.storage_spec):  # the journal's lock files are made beside it, even to read it
-            found = unwritable(Path(self.storage_spec).expanduser().resolve().parent)
+        if journal is not None:  # the journal's lock files are made beside it, even to read it
+            found = unwritable(journal.resolve().parent)
             if found:
                 raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: a journal's lock files "
                                   f"are made beside it, and {found[0]} is not a writable directory ({found[1]})")
         # under the study's lock, and this driver recorded in it: a second driver starting at the same
         # moment with other overrides is refused, not let in to overwrite them
-        journal = None if is_rdb(self.storage_spec) else Path(self.storage_spec).expanduser()
         new_journal = journal is not None and journal.stat().st_size == 0
         try:
             with ask_lock(self.storage_spec, self.storage, self.study_name):
