@@ -881,7 +881,10 @@ def read_ack(run_dir: Path) -> dict:
 ACK_FIELDS = {"uri": str, "run_id": str, "acked_records": int, "terminal_status": str}
 
 
-def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal_status: str | None) -> None:
+def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal_status: str | None,
+              required: bool = False) -> None:
+    """`required`: an OSError is raised (sync: a run it made but could not record would get a twin
+    from the next sync); else it is left for the trainer to report (a full disk). No .tmp is left."""
     ack = {"uri": uri, "run_id": run_id, "acked_records": acked_records, "terminal_status": terminal_status}
     path = Path(run_dir) / ACK_FILE
     tmp = path.with_name(path.name + ".tmp")
@@ -889,9 +892,11 @@ def write_ack(run_dir: Path, uri: str, run_id: str, acked_records: int, terminal
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(ack, indent=2))
         os.replace(tmp, path)
-    except OSError:  # an unwritable run directory (a full disk) is the trainer's to report; no .tmp is left
+    except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if required:
+            raise
 
 
 # -----------------------------------------------------------------------------
@@ -940,6 +945,10 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
         if summary.get("status") not in lifecycle.TERMINAL:  # sync would end the run with a status it never had
             raise _not_allowed(run_dir, f"{summary_path} has status {summary.get('status')!r}, not one of "
                                         f"{', '.join(lifecycle.TERMINAL)}")
+    ack_path = run_dir / ACK_FILE
+    if ack_path.exists() and not ack_path.is_file():  # sync could not record the run it makes: a twin each time
+        raise _not_allowed(run_dir, f"{ack_path} is not a file; sync records there which MLflow run holds the "
+                                    "directory (move it away)")
     unreadable: list[int] = []
     records = _load_run_file(run_dir, metrics_path, lambda path: read_records(path, unreadable), "text")
     if unreadable:  # a line cut short by kill -9, or a damaged file: what it held cannot be sent
@@ -983,7 +992,7 @@ def _sync(run_dir: Path, uri: str | None, ended: bool | None) -> str:
         ending = "its process is still running, so the run is left RUNNING"
     else:
         ending = "no summary.json, so the run is left RUNNING"
-    write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status)
+    write_ack(run_dir, uri, run_id, acked_records=len(records), terminal_status=status, required=True)
     what = f"run {run_id} created" if created else f"run {run_id}"
     return f"synced {run_dir} to {what} in {uri}: {sent} new point(s), {ending}"
 
@@ -1097,7 +1106,7 @@ def _synced_run(client: MlflowClient, uri: str, cfg, config: dict, run_dir: Path
         if config:
             _log_params(client, run_id, flatten(config))
             _retry(client.log_text, run_id, OmegaConf.to_yaml(OmegaConf.create(config)), "config.yaml")
-        write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None)  # the next sync finds it
+        write_ack(run_dir, uri, run_id, acked_records=0, terminal_status=None, required=True)  # the next sync finds it
     except BaseException:
         if not left:
             _delete_unrecorded(client, experiment_id, run_id, tags["run_dir"])

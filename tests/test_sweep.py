@@ -261,6 +261,10 @@ def compose_sweep(tmp_path):
     (["sweep=lr"], {"data.path": "choice(/no/such/a, /no/such/b)"}, "data.path='/no/such/a' does not exist"),
     (["sweep=lr"], {"model.depth": "range(1, 10, -1)"},
      "sweep.params.model.depth='range(1, 10, -1)' is not a valid search space (the range holds no values)"),
+    (["sweep=lr"], {"model.depth": "int(interval(5.5, 5.7))"},
+     "sweep.params.model.depth='int(interval(5.5, 5.7))' is not a valid search space (an interval from 5 to 5 "
+     "holds one value (int(...) truncates its bounds)"),
+    (["sweep=lr"], {"optim.matrix_lr": "interval(0.2, 0.1)"}, "(an interval from 0.2 to 0.1 holds no values"),
     (["sweep=lr"], {"model.depth": "range(5, 5)"},
      "sweep.params.model.depth='range(5, 5)' is not a valid search space (the range holds no values)"),
     (["sweep=lr", "sweep.sampler=bayes"], None,

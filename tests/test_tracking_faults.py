@@ -654,6 +654,25 @@ def test_two_syncs_of_one_run_at_once_make_one_mlflow_run(tmp_path, template_db)
         (1, 4.0), (2, 3.0), (3, 2.0)]
 
 
+def test_a_folder_in_place_of_tracking_json_is_refused_before_sync_makes_a_run(tmp_path, template_db):
+    """sync records the run it made in tracking.json; where that could not be written, each sync made
+    another MLflow run of the same directory."""
+    uri = store_in(tmp_path, template_db)
+    run_dir = finished_offline(tmp_path / "run")
+    (run_dir / "tracking.json").mkdir()
+    for _ in range(2):
+        done = sync(run_dir, f"tracking.uri={uri}")
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        assert done.stderr.startswith(f"error: RUN_DIR={run_dir} is not allowed: ") and "tracking.json" in done.stderr
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert runs_of(MlflowClient(uri), run_dir) == []
+
+    (run_dir / "tracking.json").rmdir()
+    assert sync(run_dir, f"tracking.uri={uri}").returncode == 0
+    assert sync(run_dir, f"tracking.uri={uri}").returncode == 0
+    assert len(runs_of(MlflowClient(uri), run_dir)) == 1
+
+
 @pytest.mark.parametrize("moment", ["create_run:1", "create_run:1:SIGKILL", "log_batch:1", "log_batch:1:SIGKILL"])
 def test_a_sync_stopped_while_it_creates_the_mlflow_run_leaves_no_run_behind_and_no_twin(tmp_path, template_db,
                                                                                           moment):

@@ -47,6 +47,10 @@ def distribution(override: Override) -> BaseDistribution:
         low, high = sorted((values[0], round(last, 12)))
         return FloatDistribution(low, high, step=abs(value.step))
     if override.is_interval_sweep():
+        if value.start >= value.end:  # Optuna would sample the one value of interval(5, 5) without a word
+            raise ValueError(f"an interval from {value.start} to {value.end} holds "
+                             f"{'one value' if value.start == value.end else 'no values'} (int(...) truncates "
+                             "its bounds): give a plain value, or a low bound below the high one")
         log = "log" in value.tags
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log)
