@@ -144,6 +144,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     loader = RandomRows(config.train.batch_tokens // config.model.seq_len, config.model.seq_len, vocab)
     run = Run(config, raw, Path("."), device, model, step_model, None, loader, None, optimizers,
               BudgetClock(config.budget, device.synchronize), World())
+    print(f"timing {config.model.name} {config.kernel.name}: {bench.warmup} warm-up and {bench.steps} steps", flush=True)
     for _ in range(bench.warmup):
         train_step(run)
     device.synchronize()
