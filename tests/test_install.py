@@ -1,8 +1,10 @@
 """Frontier installed like any tool: a built wheel in a fresh venv, run from an unrelated directory."""
 import json
 import os
+import site
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,18 +14,35 @@ SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=512", "data.tokenizer_
          "eval.checkpoint_tokens=2048", "eval.final_tokens=4096", "budget.max_steps=2"]
 
 
+def outer_site_packages() -> list[str]:
+    """The folders this interpreter imports installed packages from, in a venv or outside one."""
+    found = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        found.append(site.getusersitepackages())
+    return [path for path in dict.fromkeys(found) if os.path.isdir(path)]
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """A venv that sees this machine's packages (torch, Hydra, ...) but holds Frontier only as a wheel."""
+    """A venv that sees the packages of the environment running the tests (torch, Hydra, ...) but holds
+    Frontier only as a wheel. A .pth file lists that environment's site-packages folders: they come
+    after the venv's own, so the wheel's frontier wins over an installed or editable one, and their own
+    .pth files (an editable install's import hook among them) are not run."""
     if not (SHARED / "data").is_dir():
         pytest.skip(f"shared data not found at {SHARED / 'data'}")
+    outer = outer_site_packages()
+    if not outer:
+        pytest.skip(f"{sys.executable} has no site-packages folder for the wheel's venv to share")
     tmp = tmp_path_factory.mktemp("install")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp / "dist"), str(ROOT)], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
+    python = str(tmp / "venv" / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    (Path(own) / "outer-environment.pth").write_text("".join(f"{path}\n" for path in outer))
     wheel = next((tmp / "dist").glob("frontier-*.whl"))
-    subprocess.run([str(tmp / "venv" / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, capture_output=True)
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FRONTIER_HOME", "FRONTIER_DATA")}
@@ -78,10 +97,32 @@ def test_user_presets_from_a_directory_of_their_own(installed):
 
 
 def test_the_checkout_runs_from_any_directory(tmp_path):
-    """Under the editable install CI makes (`pip install -e .`), whose import hook Hydra's plugin
-    listing does not see, the primary config's sweeper must still be found outside the checkout."""
+    """Outside the checkout the primary config's sweeper is found, under an editable install (whose
+    import hook Hydra's plugin listing does not see) or a regular one. A regular install does not know
+    the checkout, so the data is given, as a user outside it gives it."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(FRONTIER_DATA=str(SHARED / "data"), FRONTIER_HOME=str(tmp_path / "home"))
     done = subprocess.run([sys.executable, "-m", "frontier.train", "model=tiny", "--cfg", "hydra"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "_target_: hydra_plugins.frontier_sweeper.frontier_sweeper.FrontierSweeper" in done.stdout
+
+
+def test_ci_runs_readme_install_and_test_commands():
+    """.ci/run takes both commands from README.md (the block after each `<!-- ci: ... -->` marker), so
+    CI installs and tests exactly as README tells a new user to; the CPU torch wheel comes first."""
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ['install: pip install torch==2.13.0 && pip install ".[test]"',
+                                        "test: python -m pytest -q"]
+
+
+def test_ci_stops_when_readme_loses_a_command(tmp_path):
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text((ROOT / ".ci" / "run").read_text())
+    readme = (ROOT / "README.md").read_text()
+    (tmp_path / "README.md").write_text(readme.replace("<!-- ci: test -->", ""))
+    done = subprocess.run(["bash", str(tmp_path / ".ci" / "run"), "--print"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and not done.stdout
+    assert done.stderr.startswith("error: .ci/run cannot take the test command from README.md"), done.stderr
