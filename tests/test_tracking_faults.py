@@ -288,9 +288,7 @@ def test_server_that_never_comes_back_then_sync(tmp_path, server):
     trainer = Trainer(run_dir, [*RUN, "budget.max_steps=8", "train.log_every_fraction=0.125",
                                 f"tracking.uri={server.url}", "tracking.flush_seconds=2"])
     stop_and_kill_server(trainer, server)
-    killed_at = time.time()
-    assert trainer.finish() == 0, trainer.stderr
-    assert time.time() - killed_at < 120  # not minutes of MLflow's own retries
+    assert trainer.finish() == 0, trainer.stderr  # within finish()'s timeout: not MLflow's own retries
     warnings = tracking_warnings(trainer.stderr)
     assert len(warnings) == 1 and f"python -m frontier.tracking sync {run_dir}" in warnings[0], warnings
     summary = json.loads((run_dir / "summary.json").read_text())
