@@ -40,9 +40,10 @@ def installed(tmp_path_factory):
     python = str(tmp / "venv" / "bin" / "python")
     own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True).stdout.strip()
-    (Path(own) / "outer-environment.pth").write_text("".join(f"{path}\n" for path in outer))
     wheel = next((tmp / "dist").glob("frontier-*.whl"))
     subprocess.run([python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, capture_output=True)
+    # only now: pip, seeing a regular install of frontier through it, would keep that one
+    (Path(own) / "outer-environment.pth").write_text("".join(f"{path}\n" for path in outer))
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FRONTIER_HOME", "FRONTIER_DATA")}
