@@ -329,8 +329,10 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     every_fraction: float = 0.1  # val_bpb at each k-th fraction of the budget (0 = only at the end)
-    checkpoint_tokens: int = 524_288  # tokens of the fixed subset evaluated during training
-    final_tokens: int = 20_971_520  # tokens of the final evaluation (capped by the split)
+    # tokens of the fixed subset evaluated at each checkpoint; null: sized to the device and budget
+    checkpoint_tokens: Optional[int] = None
+    # tokens of the final evaluation (capped by the split); null: sized to the device and budget
+    final_tokens: Optional[int] = None
     batch_rows: int = 8
     core: bool = False  # CORE after training, outside the budget
     core_bundle: str = "${oc.select:paths.data,${frontier.data:}}/core"  # paths.data, or frontier/paths.py alone
@@ -340,7 +342,8 @@ class EvalConfig:
         _fraction("eval.every_fraction", self.every_fraction)
         for key in ("checkpoint_tokens", "final_tokens", "batch_rows"):
             value = getattr(self, key)
-            _require(value >= 1, f"eval.{key}", value, "must be positive")
+            _require(value is None or value >= 1, f"eval.{key}", value,
+                     "must be positive" + ("" if key == "batch_rows" else ", or null to size it to the device and budget"))
 
 
 @dataclass
@@ -409,6 +412,11 @@ class SweepConfig:
     # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
     # + an evaluation allowance (default_trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
     trial_timeout: Optional[float] = None
+    # seeds each confirmed configuration is re-run with after the search: the top `confirm_top`
+    # configurations and the baseline (no search-space overrides); null: 3 for a sweep of >= 8
+    # trials, else 0 (off)
+    confirm: Optional[int] = None
+    confirm_top: int = 2  # how many of the best configurations are confirmed
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
@@ -440,6 +448,11 @@ class SweepConfig:
                  "must be >= 1 second")
         _require(self.trial_timeout is None or self.trial_timeout > 0, "sweep.trial_timeout",
                  self.trial_timeout, "positive seconds or null")
+        _require(self.confirm is None or self.confirm >= 0, "sweep.confirm", self.confirm,
+                 "seeds per confirmed configuration: 0 (off), a positive integer, or null (3 for >= 8 trials)")
+        _require(self.confirm != 1, "sweep.confirm", self.confirm,
+                 "at least 2 seeds, or a noise floor cannot be measured; 0 turns confirmation off")
+        _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from frontier import lifecycle
+from frontier import lifecycle, sizing
 from frontier.budget import BudgetClock
 from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, write_torch
 from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
@@ -33,6 +33,7 @@ from frontier.observers import StopRun
 from frontier.optim import apply_schedule, build_optimizers
 from frontier.progress import RunDisplay
 from frontier.schedule import lr_multiplier, muon_momentum
+from frontier.timing import TimeAccount
 
 register_schemas()
 
@@ -77,6 +78,7 @@ class Run:
     world: World
     step_time: StepTime = field(default_factory=StepTime)  # the clock's collective (the loop reads its stop)
     summary: dict = field(default_factory=dict)
+    account: TimeAccount = field(default_factory=TimeAccount)  # where this launch's wall time goes
     tokens_seen: int = 0
 
 
@@ -100,12 +102,41 @@ def check_runnable(config: Config) -> None:
     Ops(config.kernel, kind)
 
 
+def eval_sizing(config: Config, device: Device, ops: Ops) -> tuple[int, int, str]:
+    """What sizing.eval_tokens picks for this configuration on this device (the model's FLOPs per
+    token from a model on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        flops_per_token = GPT(config.model, config.data.vocab_size, ops).flops_per_token()
+    peak, _ = device.peak_flops()
+    return sizing.eval_tokens(config.budget.seconds, config.eval.every_fraction, peak, flops_per_token,
+                              config.model.seq_len)
+
+
+def size_evaluation(config: Config, raw: DictConfig, device: Device, ops: Ops) -> str | None:
+    """Fills eval.final_tokens and eval.checkpoint_tokens where the command left them null, in the config
+    and in the record of it (MLflow's params, resume.pt, final.pt); returns the line that says so."""
+    if config.eval.final_tokens is not None and config.eval.checkpoint_tokens is not None:
+        return None
+    final, checkpoint, why = eval_sizing(config, device, ops)
+    if config.eval.final_tokens is None:
+        config.eval.final_tokens = final
+    if config.eval.checkpoint_tokens is None:
+        config.eval.checkpoint_tokens = min(checkpoint, config.eval.final_tokens)
+    with open_dict(raw), read_write(raw):
+        raw.eval.final_tokens, raw.eval.checkpoint_tokens = config.eval.final_tokens, config.eval.checkpoint_tokens
+    return (f"evaluation: {config.eval.final_tokens:,} tokens at the end, {config.eval.checkpoint_tokens:,} at each "
+            f"checkpoint ({why})")
+
+
 def prepare(raw: DictConfig, run_dir: Path) -> Plan:
     """Every check a configuration can fail, before any data is read or any sink is built."""
     config = to_config(raw)  # every range check
     check_runnable(config)
     device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
     ops = Ops(config.kernel, device.kind)
+    sized = size_evaluation(config, raw, device, ops)
+    if sized:
+        print(sized, file=sys.stderr)
     splits = resolve_splits(config.data)  # a data.path with no data in it stops here
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -248,6 +279,7 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
     stopping, check_stop = False, True
     loop_start = time.perf_counter()
     run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
+    run.account.mark_startup()
     while not clock.done:
         if stopping or (check_stop and agreed_stop(run)):
             break
@@ -290,7 +322,8 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         # Evaluation and checkpoint writing happen outside clock.step(): never charged.
         reached = marks_reached(progress, eval_every)
         if reached > marks_reported:  # one evaluation, reported for each mark this step crossed
-            bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
+            with run.account.timed("evaluation"):
+                bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
             marks = f" {reached}" if reached == marks_reported + 1 else f"s {marks_reported + 1}-{reached}"
             display.note(f"checkpoint{marks}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
             stop = None
@@ -303,7 +336,8 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
             if run.world.any(stop is not None):
                 raise stop or StopRun("PRUNED", "stopped by rank 0", bpb)
         if progress >= next_save - 1e-9 and run.world.is_main:
-            save_resume(run)
+            with run.account.timed("checkpoint"):
+                save_resume(run)
             next_save = next_mark(progress, save_every)
     run.summary["loop_wall_seconds"] = time.perf_counter() - loop_start
     return agreed_stop(run)  # so a stop during the last step also ends the run here, before any final evaluation
@@ -422,16 +456,19 @@ def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
 def finish(run: Run) -> float:
     """Final full evaluation (uncharged), then on rank 0 the checkpoint and CORE."""
     cfg = run.config
-    bpb, val_tokens = val_bpb(run.step_model, run.val_rows, run.tokenizer.token_bytes, run.device,
-                              cfg.eval.batch_rows)
+    with run.account.timed("evaluation"):
+        bpb, val_tokens = val_bpb(run.step_model, run.val_rows, run.tokenizer.token_bytes, run.device,
+                                  cfg.eval.batch_rows)
     summarize(run, bpb, val_tokens)
     if run.world.is_main:
         final = run.run_dir / "final.pt"
-        with lifecycle.writing(final, final.with_suffix(".tmp"), run.run_dir / "tokenizer.tmp"):
+        with run.account.timed("checkpoint"), \
+                lifecycle.writing(final, final.with_suffix(".tmp"), run.run_dir / "tokenizer.tmp"):
             save_final(final, run.model, OmegaConf.to_container(run.raw, resolve=True), run.tokenizer)
         if cfg.eval.core:
-            run.summary.update(core_metrics(run.model, run.tokenizer, cfg.eval, run.device, cfg.model.seq_len,
-                                            log=None))
+            with run.account.timed("evaluation"):
+                run.summary.update(core_metrics(run.model, run.tokenizer, cfg.eval, run.device, cfg.model.seq_len,
+                                                log=None))
     return bpb
 
 
@@ -491,7 +528,8 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         if stopped is not None:
             status, error = "KILLED", stopped
             if run.clock.steps > 0 and run.world.is_main:
-                save_resume(run)
+                with run.account.timed("checkpoint"):
+                    save_resume(run)
                 display.note(f"stopped at step {run.clock.steps} ({stopped}); continue with resume={run_dir}")
             raise lifecycle.Killed(stopped)
         lifecycle.raise_if_stopped()  # one that came after the loop's last look ends the run here, trained
@@ -524,6 +562,8 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
         lifecycle.closing()
         if run is not None and status not in ("FINISHED", "COMPILED"):
             summarize(run, None, 0)
+        if run is not None:
+            summary.update(run.account.summary(run.clock.launch_excluded, run.clock.launch_charged))
         try:
             life.end(status, error)
         finally:
