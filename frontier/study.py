@@ -30,7 +30,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.storages.journal._file import get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
-from frontier import paths
+from frontier import paths, timing
 
 STALE_REASON = "its process stopped sending heartbeats (killed, or its machine went away)"
 DRIVER_ENV = "FRONTIER_SWEEP_DRIVER"  # "host:pid:start" of the driver that launched this trial
@@ -248,6 +248,10 @@ def trial_seed(seed: int | None, number: int) -> int | None:
 # -- a trial's end ------------------------------------------------------------------------------
 
 
+# where a trial's wall time went (frontier/timing.py): the sweep report accounts the sweep's from them
+TIME_KEYS = ("wall_seconds", "training_share", *(f"time_{part}_seconds" for part in timing.PARTS))
+
+
 def outcome(summary: dict, reason: str, objective: dict | None = None) -> tuple[TrialState, float | list | None, dict]:
     """A trial's Optuna state, value and user attributes from its run's summary (summary.json);
     `reason` says why it failed where the summary does not (no summary, a process killed).
@@ -258,7 +262,8 @@ def outcome(summary: dict, reason: str, objective: dict | None = None) -> tuple[
     status = summary.get("status")
     values, why = trial_values(objective, summary)
     attrs = {"status": status}
-    attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen") if key in summary})
+    attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen", "val_tokens", *TIME_KEYS)
+                  if key in summary})
     attrs.update({key: summary[key] for key in ("val_bpb", "core")
                   if isinstance(summary.get(key), (int, float)) and math.isfinite(summary[key])})
     if status == "FINISHED" and values is not None:

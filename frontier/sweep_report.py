@@ -1,14 +1,18 @@
 """`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
 
 Writes report.md (the best trial and the command that reproduces it, the top-10 table, parameter
-importances, why trials failed) and plots: the optimisation history, val_bpb against the fraction
-of the budget for every trial (each checkpoint where it was measured), the parameter importances,
-and for `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png). They are logged as
+importances, the confirmation of the best configurations against the baseline with new seeds, where
+the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
+fraction of the budget for every trial (each checkpoint where it was measured), the parameter
+importances, the confirmed configurations against the seeds' noise (confirm.png), and for
+`sweep.objective=pareto` the front of val_bpb against CORE (pareto.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
 <sweep dir>/report when it finishes.
 """
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -24,6 +28,7 @@ from optuna.trial import TrialState  # noqa: E402
 from frontier import paths  # noqa: E402
 from frontier.cli import check_writable_path, command, print_help_if_asked  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
+from frontier.timing import PARTS as TIME_PARTS  # noqa: E402
 from frontier.study import (all_drivers_ended, damaged_journal, is_rdb, open_storage, safe_storage,  # noqa: E402
                             study_storage)
 
@@ -153,10 +158,125 @@ def leaderboard_scores(trials: list) -> dict[int, float]:
     return {r["number"]: score for r, score in zip(rows, phase2_scores(rows))} if rows else {}
 
 
+def confirmation(study: optuna.Study) -> dict | None:
+    """The confirmation runs (sweep.confirm) by configuration: each one's values, mean and standard
+    deviation; the noise floor (the seeds' pooled standard deviation); the winner (the lowest mean
+    other than the baseline's) and whether it beats the baseline by more than two standard errors."""
+    plan = study.user_attrs.get("confirm_plan")
+    if not plan:
+        return None
+    values: dict[str, list[float]] = {config["label"]: [] for config in plan["configs"]}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.user_attrs.get("confirm") in values:
+            values[t.user_attrs["confirm"]].append(t.value)
+    rows = [{"label": label, "values": v, "n": len(v), "mean": statistics.fmean(v) if v else None,
+             "sd": statistics.stdev(v) if len(v) > 1 else None,
+             "params": next(c["params"] for c in plan["configs"] if c["label"] == label)}
+            for label, v in values.items()]
+    spreads = [r["sd"] ** 2 for r in rows if r["sd"] is not None]
+    result = {"rows": rows, "seeds": plan["seeds"], "noise": math.sqrt(statistics.fmean(spreads)) if spreads else None,
+              "winner": None, "baseline": rows[0], "margin": None, "standard_error": None, "beats": None}
+    contenders = [r for r in rows[1:] if r["n"] > 1]
+    if contenders and rows[0]["n"] > 1:
+        winner = min(contenders, key=lambda r: r["mean"])
+        base = rows[0]
+        standard_error = math.sqrt(winner["sd"] ** 2 / winner["n"] + base["sd"] ** 2 / base["n"])
+        margin = base["mean"] - winner["mean"]  # lower is better
+        result.update(winner=winner, margin=margin, standard_error=standard_error,
+                      beats=margin > 2 * standard_error)
+    return result
+
+
+def confirmation_lines(found: dict) -> list[str]:
+    seeds = ", ".join(map(str, found["seeds"]))
+    lines = ["## Confirmed with new seeds", "",
+             f"The best configurations and the baseline (the command's own configuration), each trained again "
+             f"with seeds {seeds} at the same budget:", "",
+             "| configuration | runs | mean | sd | values | overrides |", "|---|---|---|---|---|---|"]
+    for r in found["rows"]:
+        overrides = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "(none)"
+        lines.append(f"| {r['label']} | {r['n']} | {_fmt(r['mean'])} | {_fmt(r['sd'])} | "
+                     f"{', '.join(f'{v:.4f}' for v in r['values'])} | {overrides} |")
+    lines.append("")
+    if found["noise"] is not None:
+        lines += [f"Noise floor (the seeds' pooled standard deviation): {found['noise']:.4f}.", ""]
+    winner = found["winner"]
+    if winner is None:
+        lines += ["Not enough finished runs yet to compare the winner with the baseline.", ""]
+    elif found["beats"]:
+        lines += [f"**The {winner['label']} configuration beats the baseline**: {winner['mean']:.4f} against "
+                  f"{found['baseline']['mean']:.4f}, by {found['margin']:.4f}, more than two standard errors "
+                  f"(2 x {found['standard_error']:.4f}).", ""]
+    else:
+        lines += [f"**No winner beyond the noise**: the {winner['label']} configuration ({winner['mean']:.4f}) is "
+                  f"{found['margin']:+.4f} from the baseline ({found['baseline']['mean']:.4f}), within two standard "
+                  f"errors (2 x {found['standard_error']:.4f}).", ""]
+    return lines
+
+
+def plot_confirmation(found: dict, path: Path) -> None:
+    """Each configuration's runs and mean +- sd, over the baseline's mean +- the noise floor."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    base = found["baseline"]
+    if base["mean"] is not None and found["noise"] is not None:
+        ax.axhspan(base["mean"] - found["noise"], base["mean"] + found["noise"], color="tab:gray", alpha=0.2,
+                   label="baseline mean +- noise floor")
+    for x, r in enumerate(found["rows"]):
+        ax.scatter([x] * r["n"], r["values"], color="tab:blue", alpha=0.6)
+        if r["mean"] is not None:
+            ax.errorbar([x + 0.15], [r["mean"]], yerr=[r["sd"] or 0.0], fmt="o", color="tab:red", capsize=4)
+    ax.set_xticks(range(len(found["rows"])), [r["label"] for r in found["rows"]])
+    ax.set_ylabel("val_bpb (each seed; red: mean +- sd)")
+    ax.set_title("confirmed with new seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def time_account(trials: list) -> dict | None:
+    """Where the sweep's time went: its span (first trial's start to last trial's end) times the trials
+    it ran at once, split into what its trials' own accounts say (frontier/timing.py) and the time
+    between their processes (starting and ending them, the sweep's own work)."""
+    ended = [t for t in trials if t.datetime_start and t.datetime_complete]
+    if not ended:
+        return None
+    span = (max(t.datetime_complete for t in ended) - min(t.datetime_start for t in ended)).total_seconds()
+    events = sorted([(t.datetime_start, 1) for t in ended] + [(t.datetime_complete, -1) for t in ended])
+    running = concurrent = 0
+    for _, change in events:
+        running += change
+        concurrent = max(concurrent, running)
+    paid = span * concurrent
+    parts = {part: sum(t.user_attrs.get(f"time_{part}_seconds", 0.0) for t in ended) for part in TIME_PARTS}
+    parts["between"] = max(paid - sum(parts.values()), 0.0)
+    return {"span": span, "slots": concurrent, "paid": paid, "parts": parts,
+            "training_share": parts["charged"] / paid if paid > 0 else 0.0}
+
+
+def time_lines(account: dict, trials: list) -> list[str]:
+    paid = account["paid"] or 1.0
+    lines = ["## Where the time went", "",
+             f"**Training share {account['training_share']:.0%}**: {account['parts']['charged']:.0f} charged seconds of "
+             f"{account['paid']:.0f} ({account['span']:.0f} s x {account['slots']} trial(s) at once).", "",
+             "| " + " | ".join(TIME_PARTS + ("between trials",)) + " |", "|" + "---|" * (len(TIME_PARTS) + 1),
+             "| " + " | ".join(f"{account['parts'][p] / paid:.0%}" for p in (*TIME_PARTS, "between")) + " |", "",
+             "Per trial (seconds; share = charged / wall):", "",
+             "| trial | state | wall | startup | charged | evaluation | share |", "|---|---|---|---|---|---|---|"]
+    for t in trials:
+        a = t.user_attrs
+        if "wall_seconds" in a:
+            lines.append(f"| {t.number} | {t.state.name.lower()} | {a['wall_seconds']:.1f} | "
+                         f"{a.get('time_startup_seconds', 0):.1f} | {a.get('time_charged_seconds', 0):.1f} | "
+                         f"{a.get('time_evaluation_seconds', 0):.1f} | {a.get('training_share', 0):.0%} |")
+    return lines + [""]
+
+
 def write_report(study: optuna.Study, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     objective = objective_name(study)
-    trials = study.get_trials(deepcopy=False)
+    every = study.get_trials(deepcopy=False)
+    trials = [t for t in every if t.user_attrs.get("confirm") is None]  # the search's own trials
     counts = {state.name: sum(t.state == state for t in trials) for state in TrialState}
     counts = {name: n for name, n in counts.items() if n}
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -174,8 +294,19 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     importances = param_importances(study) if len(complete) >= 2 else {}
     scores = leaderboard_scores(complete) if objective != "val_bpb" else {}
 
+    confirmed = confirmation(study)
+    account = time_account(every)
     lines = [f"# Sweep `{study.study_name}`", "",
-             f"{len(trials)} trials: " + ", ".join(f"{n} {name.lower()}" for name, n in counts.items()), ""]
+             f"{len(trials)} trials: " + ", ".join(f"{n} {name.lower()}" for name, n in counts.items())
+             + (f"; {len(every) - len(trials)} confirmation runs" if len(every) > len(trials) else ""), ""]
+    evaluated = {t.user_attrs.get("val_tokens") for t in complete if t.user_attrs.get("val_tokens")}
+    if len(evaluated) > 1:
+        lines += [f"**Warning**: these trials were evaluated on different validation sets (val_tokens "
+                  f"{', '.join(map(str, sorted(evaluated)))}): their val_bpb do not compare.", ""]
+    tokens = study.user_attrs.get("eval_tokens")
+    if tokens:
+        lines += [f"Every trial is evaluated on eval.final_tokens={tokens['final_tokens']} "
+                  f"(eval.checkpoint_tokens={tokens['checkpoint_tokens']} at each checkpoint).", ""]
     if objective == "composite":
         anchors = study.user_attrs.get("objective", {})
         lines += [f"Objective: composite = 1 - (0.5 norm(val_bpb) + 0.5 norm(core)), minimised; norm is 0 "
@@ -211,11 +342,15 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
         target = "val_bpb" if objective == "pareto" else objective
         lines += [f"## Parameter importances ({target})", "", "| parameter | importance |", "|---|---|"]
         lines += [f"| {name} | {value:.3f} |" for name, value in importances.items()] + [""]
+    if confirmed:
+        lines += confirmation_lines(confirmed)
+    if account:
+        lines += time_lines(account, every)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         lines += ["## Pruned", ""] + [f"- trial {t.number}: {t.user_attrs.get('prune_reason', 'pruned')}"
                                       for t in pruned] + [""]
-    failed = [t for t in trials if t.state == TrialState.FAIL]
+    failed = [t for t in every if t.state == TrialState.FAIL]
     if failed:
         lines += ["## Failed", ""] + [f"- trial {t.number}: {t.user_attrs.get('fail_reason', 'unknown')}"
                                       for t in failed] + [""]
@@ -235,8 +370,11 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     if importances:
         plot_importances(importances, out_dir / "importances.png", "val_bpb" if objective == "pareto" else objective)
         files.append(out_dir / "importances.png")
+    if confirmed and any(r["n"] for r in confirmed["rows"]):
+        plot_confirmation(confirmed, out_dir / "confirm.png")
+        files.append(out_dir / "confirm.png")
     return {"best": best, "front": [t.number for t in front], "counts": counts, "importances": importances,
-            "files": files, "text": text}
+            "files": files, "text": text, "confirmation": confirmed, "time": account}
 
 
 def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:

@@ -75,6 +75,7 @@ class TrialReporter:
         self.heartbeat_interval = heartbeat_interval
         self.grace_period = grace_period
         self.checkpoint_fractions: dict[str, float] = {}
+        self.prunable = len(study.directions) == 1 and trial.user_attrs.get("confirm") is None  # confirmations run whole
         self.stop_reason: str | None = None
         self.ended = threading.Event()
         self.record_mlflow_run(run.summary)
@@ -157,7 +158,7 @@ class TrialReporter:
         except UpdateFinishedTrialError:  # ended by a driver meanwhile (silent, too slow, interrupted)
             self.stop_if_ended()
             return
-        if len(self.study.directions) == 1 and self.trial.should_prune():
+        if self.prunable and self.trial.should_prune():
             raise StopRun("PRUNED", f"pruned at checkpoint {k} ({progress:.0%} of the budget, "
                                     f"val_bpb {val_bpb:.4f})", value=val_bpb)
 

@@ -97,8 +97,9 @@ def trial_values(objective: dict | None, summary: dict) -> tuple[list[float] | N
 
 
 def counted_trials(study: optuna.Study, count_failed: bool) -> int:
-    """Trials that count toward sweep.n_trials: all of them, or all but the failed ones."""
-    trials = study.get_trials(deepcopy=False)
+    """Search trials that count toward sweep.n_trials: all of them, or all but the failed ones
+    (confirmation runs never count)."""
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("confirm") is None]  # searched
     return len(trials) if count_failed else sum(t.state != TrialState.FAIL for t in trials)
 
 

@@ -13,6 +13,7 @@ parent run.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import optuna
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
@@ -40,6 +41,8 @@ from frontier.lifecycle import TERMINAL, earlier_records
 from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, damaged_journal, end_trial, is_rdb,
                             live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
                             settle_orphans, study_storage, trial_seed)
+from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
+                                                     search_running, seeds_per_configuration)
 from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
@@ -225,6 +228,10 @@ class Sweep:
             raise ConfigError(f"sweep={self.sweep.name} is not allowed without a search space: give one in the "
                               "preset's params or on the command line, e.g. "
                               "'optim.matrix_lr=tag(log, interval(0.01, 0.1))' or model=base,wide")
+        swept = sorted(set(self.space) & {f"eval.{key}" for key in EVAL_TOKENS})
+        if swept:
+            raise ConfigError(f"{swept[0]} is not allowed in the search space: a study compares its trials on "
+                              f"one validation set; give it one value ({swept[0]}=N)")
         self.objective = Objective(self.sweep, config.eval.core, config.eval.core_bundle, self.fixed)
         self.fixed += self.objective.trial_overrides(self.fixed)
         # a Hydra launcher other than the basic one runs each trial as its job (_launch.py)
@@ -243,6 +250,12 @@ class Sweep:
             self.n_trials = min(self.n_trials or size, size)
         if self.n_trials is None and self.sweep.timeout is None:
             raise ConfigError("sweep.n_trials=null is not allowed without sweep.timeout: set either of them")
+        self.confirm_seeds = seeds_per_configuration(self.sweep.confirm, self.n_trials)
+        if self.objective.name == "pareto" and self.confirm_seeds:
+            if self.sweep.confirm:
+                raise ConfigError(f"sweep.confirm={self.sweep.confirm} is not allowed with sweep.objective=pareto: "
+                                  "a front has no single winner to confirm; add sweep.confirm=0")
+            self.confirm_seeds = 0
         self.check_composes(config_loader)
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
@@ -258,6 +271,7 @@ class Sweep:
         self.failures = 0
         self.busy_seconds = 0.0
         self.processes: dict[subprocess.Popen, optuna.Trial] = {}
+        self.standby: dict[int, subprocess.Popen] = {}  # per slot: the process its next trial runs in
         self.killed: dict[subprocess.Popen, str] = {}  # trials this driver stopped, and why
         self.start = time.monotonic()
         self.parent_run_id = None
@@ -363,6 +377,9 @@ class Sweep:
         study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
                                       "space": self.shared()["the search space"],
                                       "sampler": self.sweep.sampler, "seed": self.sweep.seed})
+        self.check_confirmable(study)
+        self.eval_tokens = self.study_eval_tokens(study)
+        study.set_user_attr("eval_tokens", self.eval_tokens)
         study.set_user_attr("pruner", self.pruner)
         study.set_user_attr("objective", self.objective.describe())
         study.set_user_attr("overrides", self.fixed)
@@ -371,6 +388,63 @@ class Sweep:
         study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
         return study
+
+    def check_confirmable(self, study: optuna.Study) -> None:
+        """A command that would only confirm (its search ended) needs a finished search trial to confirm."""
+        if not self.confirm_seeds or "confirm_plan" in study.user_attrs or not self.search_ended(study):
+            return
+        if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+            raise ConfigError(f"sweep.confirm={self.confirm_seeds} is not allowed for sweep.study_name="
+                              f"{self.study_name!r}: its search has ended with no finished trial, so there is "
+                              "no winner to confirm; raise sweep.n_trials to search on, or add sweep.confirm=0")
+
+    def study_eval_tokens(self, study: optuna.Study) -> dict:
+        """eval.final_tokens and eval.checkpoint_tokens of every trial: the study's own once a driver set
+        them (a study compares its trials on one validation set), else the command's, else sized here
+        once for the command's configuration on a trial's device and threads (frontier.sizing)."""
+        given = {key: self.config.eval[key] for key in EVAL_TOKENS if self.config.eval[key] is not None}
+        recorded = study.user_attrs.get("eval_tokens")
+        if recorded:
+            for key, value in given.items():
+                if recorded.get(key) != value:
+                    raise ConfigError(f"eval.{key}={value} is not allowed for sweep.study_name={self.study_name!r}: "
+                                      f"its trials are evaluated with eval.{key}={recorded.get(key)}, and a study "
+                                      "compares its trials on one validation set; drop the override or choose "
+                                      "another sweep.study_name")
+            return recorded
+        if len(given) == len(EVAL_TOKENS):
+            return {**given, "how": "given"}
+        final, checkpoint, why = self.sized_eval_tokens()
+        final = given.get("final_tokens", final)
+        return {"final_tokens": final, "checkpoint_tokens": given.get("checkpoint_tokens", min(checkpoint, final)),
+                "how": why}
+
+    def sized_eval_tokens(self) -> tuple[int, int, str]:
+        import torch
+
+        from frontier.config import to_config
+        from frontier.device import resolve_device
+        from frontier.model import Ops
+        from frontier.trainer import eval_sizing
+
+        raw = self.config.copy()
+        with open_dict(raw):
+            del raw["hydra"]  # the run's keys only
+        config = to_config(raw)
+        device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
+        threads = torch.get_num_threads()
+        slot_threads = self.slots[0].env.get("OMP_NUM_THREADS")  # a CPU trial's share of the cores
+        try:
+            if slot_threads:
+                torch.set_num_threads(int(slot_threads))
+            return eval_sizing(config, device, Ops(config.kernel, device.kind))
+        finally:
+            torch.set_num_threads(threads)
+
+    def eval_overrides(self) -> list[str]:
+        """What each trial adds for its evaluation, where the command's overrides do not say it."""
+        given = {override.split("=", 1)[0].lstrip("+~") for override in self.fixed}
+        return [f"eval.{key}={self.eval_tokens[key]}" for key in EVAL_TOKENS if f"eval.{key}" not in given]
 
     def trial_folders(self) -> list[int]:
         """The numbers of the folders in hydra.sweep.dir where a trial left its records."""
@@ -562,20 +636,57 @@ class Sweep:
                 return None
             with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize()"
                 warnings.simplefilter("ignore")
+                if self.search_ended(self.study):
+                    return self.next_confirmation()
                 return self.study.ask(self.space)
 
     def limit_reached(self) -> str:
         # failures first: they make the exit code 1, and the error line gives this reason
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
-        count = counted_trials(self.study, self.sweep.count_failed)
-        if self.n_trials is not None and count >= self.n_trials:
-            return f"the study has {count} trials (sweep.n_trials={self.n_trials})"
+        ended = self.search_ended(self.study)
+        if ended and not self.confirm_seeds:
+            return ended
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
-        if self.sweep.sampler == "grid" and self.sampler.inner.is_exhausted(self.study):
+        return ""
+
+    def search_ended(self, study: optuna.Study) -> str:
+        """Why the search asks for no more trials (n_trials reached, the grid run), or ""."""
+        count = counted_trials(study, self.sweep.count_failed)
+        if self.n_trials is not None and count >= self.n_trials:
+            return f"the study has {count} trials (sweep.n_trials={self.n_trials})"
+        if self.sweep.sampler == "grid" and self.sampler.inner.is_exhausted(study):
             return "every point of the grid has been run"
         return ""
+
+    def next_confirmation(self) -> optuna.Trial | None | object:
+        """The next confirmation run (_confirm.py) as a trial; WAIT while a running trial may still change
+        what is to be confirmed or run the last ones; None (the sweep stops) once all are done."""
+        if search_running(self.study):
+            return WAIT
+        ended = self.search_ended(self.study)
+        plan = self.study.user_attrs.get("confirm_plan")
+        if plan is None:
+            plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.config.seed)
+            if plan is None:
+                self.stop_reason = f"{ended}; none finished, so none is confirmed"
+                self.stopping.set()
+                return None
+            self.study.set_user_attr("confirm_plan", plan)
+            log.info(f"confirming {', '.join(c['label'] for c in plan['configs'])} with seeds "
+                     f"{', '.join(map(str, plan['seeds']))}")
+        found = next_run(self.study, plan)
+        if found is None:
+            if confirmation_running(self.study):
+                return WAIT
+            self.stop_reason = (f"{ended}; the best {len(plan['configs']) - 1} and the {BASELINE} are confirmed with "
+                                f"{len(plan['seeds'])} seeds each")
+            self.stopping.set()
+            return None
+        config, seed = found
+        self.study.enqueue_trial(config["params"], user_attrs={"confirm": config["label"], "confirm_seed": seed})
+        return self.study.ask({key: self.space[key] for key in config["params"]})
 
     def worker(self, slot: Slot, done: threading.Event) -> None:
         try:
@@ -583,6 +694,9 @@ class Sweep:
                 trial = self.next_trial()
                 if trial is None:
                     return
+                if trial is WAIT:  # confirmation waits for the running trials
+                    self.stopping.wait(2.0)
+                    continue
                 self.run_trial(trial, slot)
         except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
             if isinstance(err, (OSError, SweepDirTaken, SweepDirUnwritable)) or from_storage(err):  # not a bug
@@ -608,17 +722,23 @@ class Sweep:
                                     f"{trial.number} did not start there; give each sweep a hydra.sweep.dir of "
                                     "its own")
             params = [as_override(key, value) for key, value in trial.params.items()]
-            overrides = self.fixed + params
+            overrides = self.fixed + self.eval_overrides() + params
+            confirm, name = trial.user_attrs.get("confirm"), f"trial-{trial.number}"
+            if confirm is not None:  # the same configuration with a seed of its own
+                seed = trial.user_attrs["confirm_seed"]
+                overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "seed"] + [f"seed={seed}"]
+                name += f" confirm {confirm} seed={seed}"
             extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
                      f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
                      f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
                      *search_path_override(self.config)]
             if self.parent_run_id is not None:
-                extra += [f"tracking.parent_run_id={self.parent_run_id}", f"tracking.run_name=trial-{trial.number}"]
+                extra += [f"tracking.parent_run_id={self.parent_run_id}", as_override("tracking.run_name", name)]
             for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
                                "device": slot.label, "driver": str(self.driver)}.items():
                 trial.set_user_attr(key, value)
-            log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}")
+            log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}"
+                     + (f" (confirmation: {confirm}, seed={seed})" if confirm is not None else ""))
             started = time.monotonic()
             self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
             if self.launched is not None:
@@ -630,12 +750,8 @@ class Sweep:
                                                    {**slot.env, DRIVER_ENV: str(self.driver)}, watch)
             self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, reason)
             return
-        # a session of its own: Ctrl-C reaches the driver only, which stops each trial once;
-        # the trial learns its driver from the environment, and stops when the driver is gone
-        with self.starting(trial), open(run_dir / "output.log", "w") as out:
-            process = subprocess.Popen(self.command + overrides + extra, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **slot.env, DRIVER_ENV: str(self.driver)},
-                                       start_new_session=True)
+        with self.starting(trial):
+            process = self.launch(slot, overrides + extra, run_dir / "output.log")
         self.processes[process] = trial
         try:
             trial.set_user_attr("process", str(Process.this(process.pid)))
@@ -651,6 +767,59 @@ class Sweep:
                     signal_session(process, signal.SIGKILL)
                     process.wait()
             self.processes.pop(process, None)
+
+    def launch(self, slot: Slot, argv: list[str], log_path: Path) -> subprocess.Popen:
+        """The trial's process: the slot's standby process (frontier/standby.py: Python started and the
+        libraries imported while the slot's last trial trained) given the trial's command line, else a
+        new `python -m frontier.train`. Then the slot's next standby process starts, if a trial may follow."""
+        log_path.write_text("")  # the trial's output, whichever process writes it
+        process = self.standby.pop(id(slot), None)
+        if process is not None:
+            try:
+                process.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+                process.stdin.close()
+            except OSError:  # it died waiting (killed by hand, out of memory): a new process runs the trial
+                log.warning(f"the standby process {process.pid} on {slot.label} is gone; starting the trial anew")
+                signal_session(process, signal.SIGKILL)
+                process.wait()
+                process = None
+        if process is None:
+            with open(log_path, "a") as out:
+                process = self.start_process(slot, self.command + argv, stdout=out)
+        if self.sweep.devices_per_trial == 1 and self.more_trials():  # torchrun starts its own processes
+            number = next(i for i, other in enumerate(self.slots) if other is slot)
+            with contextlib.suppress(OSError), open(self.sweep_dir / f".standby-{number}.log", "w") as out:
+                self.standby[id(slot)] = self.start_process(slot, [sys.executable, "-m", "frontier.standby"], stdout=out,
+                                                            stdin=subprocess.PIPE, text=True)
+        return process
+
+    def more_trials(self) -> bool:
+        """Whether a trial may follow the ones started: a standby process would wait in vain otherwise."""
+        if self.stopping.is_set():
+            return False
+        if not self.search_ended(self.study):
+            return True
+        plan = self.study.user_attrs.get("confirm_plan")
+        return bool(self.confirm_seeds) and (plan is None or next_run(self.study, plan) is not None)
+
+    def start_process(self, slot: Slot, command: list[str], **how) -> subprocess.Popen:
+        """A session of its own: Ctrl-C reaches the driver only, which stops each trial once; the trial
+        learns its driver from the environment, and stops when the driver is gone."""
+        return subprocess.Popen(command, stderr=subprocess.STDOUT, env={**os.environ, **slot.env, DRIVER_ENV: str(self.driver)},
+                                start_new_session=True, **how)
+
+    def end_standby(self) -> None:
+        """Standby processes no trial will use: end of input ends them."""
+        for process in list(self.standby.values()):
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        for process in self.standby.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                signal_session(process, signal.SIGKILL)
+                process.wait()
+        self.standby.clear()
 
     @contextlib.contextmanager
     def starting(self, trial: optuna.Trial) -> Iterator[None]:
@@ -760,6 +929,7 @@ class Sweep:
         except KeyboardInterrupt:  # at any moment of the above
             status = self.stop_workers(workers)
         _on_signals(self.hasten)  # the sweep is being recorded: a signal changes nothing now
+        self.end_standby()
         wall = time.monotonic() - self.start
         utilization = self.busy_seconds / (wall * len(self.slots)) if wall > 0 else 0.0
         log.info(f"sweep stopped: {self.stop_reason or 'a worker failed'}; device utilisation "
@@ -848,6 +1018,18 @@ class Sweep:
                    "pareto_front_size": len(report["front"]),
                    "device_utilization": utilization,
                    **{f"trials_{state.lower()}": n for state, n in counts.items()}}
+        if report.get("time"):
+            metrics["training_share"] = report["time"]["training_share"]
+            log.info(f"training share {report['time']['training_share']:.0%} of the sweep's trial time; see {out}")
+        confirmed = report.get("confirmation") or {}
+        if confirmed.get("winner"):
+            winner, base = confirmed["winner"], confirmed["baseline"]
+            metrics.update(confirmed_winner_mean=winner["mean"], confirmed_winner_sd=winner["sd"],
+                           baseline_mean=base["mean"], baseline_sd=base["sd"], noise_floor=confirmed["noise"],
+                           winner_beats_baseline=float(confirmed["beats"]))
+            verdict = "beats the baseline beyond the noise" if confirmed["beats"] else "does not beat the baseline beyond the noise"
+            log.info(f"confirmed: the {winner['label']} configuration ({winner['mean']:.4f} +- {winner['sd']:.4f}) "
+                     f"{verdict} ({base['mean']:.4f} +- {base['sd']:.4f})")
         self.ended.set()
         self.heartbeat.join()  # a beat in flight must not land after the record that this driver ended
         self.end_tracking(status, metrics, report["files"])
@@ -860,6 +1042,8 @@ class Sweep:
 
 
 STUDY_MARKER = ".study"  # in a sweep's folder: the study whose trials it holds
+WAIT = object()  # next_trial: none to start now, but one may follow
+EVAL_TOKENS = ("final_tokens", "checkpoint_tokens")  # eval.* keys that choose a study's validation set
 
 
 class SweepDirTaken(Exception):
