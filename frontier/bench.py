@@ -7,8 +7,10 @@ CPU the step and the matmul are also timed in process CPU time, so that their ra
 the matmul rate a step reaches) and the speed-ups stay fair on a machine other jobs share.
 
 bench keys: models=[tiny] (model presets), kernels=[reference,compiled], warmup=2, steps=5, ops=true,
-output=PATH (the rows as JSON), mlflow=false (log them to the experiment "bench"), profile=0 (top ops
-of one profiled step). Any other override is the trainer's, e.g. model.seq_len=512 precision=fp32.
+output=PATH (the rows as JSON), results=PATH (append each row, with the machine, torch version, date
+and commit, to a JSON-lines record such as benchmarks/results.jsonl), mlflow=false (log them to the
+experiment "bench"), profile=0 (top ops of one profiled step). Any other override is the trainer's,
+e.g. model.seq_len=512 precision=fp32.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kernels
-from frontier import paths
+from frontier import bench_results, paths
 from frontier.cli import check_command_line, command, print_help_if_asked, unwritable
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import matmul_rate, resolve_device
@@ -42,6 +44,7 @@ class BenchConfig:
     steps: int = 5
     ops: bool = True  # also time each op's implementations against the reference
     output: Optional[str] = None  # write the rows as JSON here
+    results: Optional[str] = None  # append each row, with where it was measured, to this JSON-lines file
     mlflow: bool = False  # log the figures as an MLflow run (experiment "bench")
     profile: int = 0  # > 0: after timing, profile one more step and print its top this-many ops
 
@@ -61,7 +64,7 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
     for arg in argv:
         if arg.startswith("-"):  # not Hydra's command line: its options would be read as overrides
             raise ConfigError(f"{arg} is not allowed: frontier.bench takes bench.KEY=VALUE and trainer overrides "
-                              "only (see README, Speed: frontier.bench)")
+                              "only (see docs/benchmarks.md)")
     mine = [a[len("bench."):] for a in argv if a.startswith("bench.")]
     try:
         bench = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
@@ -79,6 +82,13 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
                           f"{found[0]} is not a writable directory")
     if bench.output is not None and Path(bench.output).is_dir():
         raise ConfigError(f"bench.output={bench.output} is not allowed: it is a folder; name the JSON file to write")
+    found = unwritable(Path(bench.results).absolute().parent) if bench.results is not None else None
+    if found:
+        raise ConfigError(f"bench.results={bench.results} is not allowed: its folder cannot be created ({found[1]}); "
+                          f"{found[0]} is not a writable directory")
+    if bench.results is not None and Path(bench.results).is_dir():
+        raise ConfigError(f"bench.results={bench.results} is not allowed: it is a folder; name the JSON-lines file "
+                          "to append to")
     for group, names, options in (("model", bench.models, presets("model")),
                                   ("kernel", bench.kernels, kernels.PRESETS)):
         unknown = [name for name in names if name not in options]
@@ -257,6 +267,7 @@ def main(argv: list[str]) -> dict:
     cpu_rates: dict[str, float] = {}  # matmul FLOPs per CPU-second by precision, measured when a row needs it
     if on_cpu:
         console.print(f"CPU capability {capability}, {torch.get_num_threads()} threads")
+    where = bench_results.machine(device) if bench.results else {}
     rows = []
     for model in bench.models:
         for kernel in bench.kernels:
@@ -287,6 +298,8 @@ def main(argv: list[str]) -> dict:
             compare_with_reference(rows, on_cpu)
             if bench.output:  # after every row: a benchmark cut short keeps what it measured
                 write_rows(Path(bench.output), rows)
+            if bench.results:
+                bench_results.append(Path(bench.results), rows[-1:], where, argv)
             r = rows[-1]
             console.print(f"{model} {kernel}: {r['tokens_per_second']:,.0f} tokens/s, {r['mfu_measured']:.1%} of the "
                           f"matmul rate")
@@ -328,6 +341,8 @@ def main(argv: list[str]) -> dict:
     report = {"rows": rows, "ops": ops, **rates, "device": device.name, "cpu_capability": capability}
     if bench.output:
         console.print(f"wrote {bench.output}")
+    if bench.results:
+        console.print(f"appended {len(rows)} row(s) to {bench.results} ({where['machine']})")
     if bench.mlflow:
         log_to_mlflow(report, first)
     return report

@@ -507,9 +507,12 @@ LONG = "a" * 300  # longer than a file name may be (255 bytes)
     ("frontier.bench", ["bench.steps=abc"], "bench.steps=abc is not allowed", "Value 'abc' of type 'str' could not"),
     ("frontier.bench", ["bench.output={tmp}/file/bench.json"], "bench.output", "its folder cannot be created"),
     ("frontier.bench", ["bench.output={tmp}"], "bench.output", "it is a folder; name the JSON file to write"),
+    ("frontier.bench", ["bench.results={tmp}/file/results.jsonl"], "bench.results", "its folder cannot be created"),
+    ("frontier.bench", ["bench.results={tmp}"], "bench.results", "it is a folder; name the JSON-lines file"),
 ], ids=["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
         "data.path in a symlink loop", "a 5000-digit integer", "eval", "sweep_report", "leaderboard", "sync",
-        "bench --multirun", "bench.steps=0", "bench.steps=abc", "bench.output under a file", "bench.output a folder"])
+        "bench --multirun", "bench.steps=0", "bench.steps=abc", "bench.output under a file", "bench.output a folder",
+        "bench.results under a file", "bench.results a folder"])
 def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(tmp_path, module, args, key, reason):
     """A name too long, a symlink loop, a number Python will not read: wherever the path is first touched
     (a check, Hydra's set-up, pathlib) it had been a traceback; and frontier.bench read Hydra's options

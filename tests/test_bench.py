@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -14,9 +15,11 @@ TINY_BENCH = [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "be
 
 
 def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
-    out = tmp_path / "bench.json"
+    out, record = tmp_path / "bench.json", tmp_path / "results.jsonl"
+    record.write_text('{"an": "earlier row"}\n')
     result = subprocess.run(
-        [*TINY_BENCH, "bench.kernels=[reference]", "bench.profile=5", f"bench.output={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [*TINY_BENCH, "bench.kernels=[reference]", "bench.profile=5", f"bench.output={out}",
+         f"bench.results={record}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "COLUMNS": "200"})  # wide enough that no column header wraps
     assert result.returncode == 0, result.stderr
     assert "training step throughput" in result.stdout and "ops, forward + backward" in result.stdout
@@ -36,6 +39,16 @@ def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     shares = [o["share"] for o in row["profile"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
     assert any(o["op"] in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm") for o in row["profile"])
+    # bench.results: the row appended to the record, with where and with what it was measured
+    earlier, kept = (json.loads(line) for line in record.read_text().splitlines())
+    assert earlier == {"an": "earlier row"} and "profile" not in kept
+    assert all(kept[key] == row[key] for key in ("model", "kernel", "tokens_per_second", "cpu_capability"))
+    assert kept["machine"].startswith(f"CPU {row['cpu_capability']}")
+    assert kept["torch"] == torch.__version__ and kept["threads"] >= 1 and len(kept["date"]) == 10
+    if (ROOT / ".git").exists():  # the checkout's commit
+        assert len(kept["commit"]) == 40 and isinstance(kept["dirty"], bool)
+    assert kept["source"].startswith("python -m frontier.bench bench.models=[tiny]")
+    assert f"appended 1 row(s) to {record}" in result.stdout
 
 
 def test_a_bench_stopped_midway_keeps_the_rows_it_measured(tmp_path):
