@@ -226,6 +226,7 @@ def plot_confirmation(found: dict, path: Path) -> None:
         if r["mean"] is not None:
             ax.errorbar([x + 0.15], [r["mean"]], yerr=[r["sd"] or 0.0], fmt="o", color="tab:red", capsize=4)
     ax.set_xticks(range(len(found["rows"])), [r["label"] for r in found["rows"]])
+    ax.set_xlim(-0.5, len(found["rows"]) - 0.5)
     ax.set_ylabel("val_bpb (each seed; red: mean +- sd)")
     ax.set_title("confirmed with new seeds")
     ax.legend()
@@ -251,7 +252,18 @@ def time_account(trials: list) -> dict | None:
     parts = {part: sum(t.user_attrs.get(f"time_{part}_seconds", 0.0) for t in ended) for part in TIME_PARTS}
     parts["between"] = max(paid - sum(parts.values()), 0.0)
     return {"span": span, "slots": concurrent, "paid": paid, "parts": parts,
-            "training_share": parts["charged"] / paid if paid > 0 else 0.0}
+            "training_share": parts["charged"] / paid if paid > 0 else 0.0, "next_step": next_step_seconds(ended)}
+
+
+def next_step_seconds(trials: list) -> list[float]:
+    """For each trial that started after another ended: seconds from that trial's end (the latest one
+    before it started) to its own first training step."""
+    gaps = []
+    for t in trials:
+        before = [o.datetime_complete for o in trials if o.datetime_complete <= t.datetime_start]
+        if before and "time_startup_seconds" in t.user_attrs:
+            gaps.append((t.datetime_start - max(before)).total_seconds() + t.user_attrs["time_startup_seconds"])
+    return gaps
 
 
 def time_lines(account: dict, trials: list) -> list[str]:
@@ -260,9 +272,13 @@ def time_lines(account: dict, trials: list) -> list[str]:
              f"**Training share {account['training_share']:.0%}**: {account['parts']['charged']:.0f} charged seconds of "
              f"{account['paid']:.0f} ({account['span']:.0f} s x {account['slots']} trial(s) at once).", "",
              "| " + " | ".join(TIME_PARTS + ("between trials",)) + " |", "|" + "---|" * (len(TIME_PARTS) + 1),
-             "| " + " | ".join(f"{account['parts'][p] / paid:.0%}" for p in (*TIME_PARTS, "between")) + " |", "",
-             "Per trial (seconds; share = charged / wall):", "",
-             "| trial | state | wall | startup | charged | evaluation | share |", "|---|---|---|---|---|---|---|"]
+             "| " + " | ".join(f"{account['parts'][p] / paid:.0%}" for p in (*TIME_PARTS, "between")) + " |", ""]
+    if account["next_step"]:
+        gaps = sorted(account["next_step"])
+        lines += [f"A trial's first training step came {statistics.median(gaps):.1f} s after the previous trial's end "
+                  f"(median; at most {gaps[-1]:.1f} s).", ""]
+    lines += ["Per trial (seconds; share = charged / wall):", "",
+              "| trial | state | wall | startup | charged | evaluation | share |", "|---|---|---|---|---|---|---|"]
     for t in trials:
         a = t.user_attrs
         if "wall_seconds" in a:

@@ -257,6 +257,8 @@ class Sweep:
                                   "a front has no single winner to confirm; add sweep.confirm=0")
             self.confirm_seeds = 0
         self.check_composes(config_loader)
+        # the baseline: the command's configuration with the preset's plain values, no search-space point
+        self.baseline = config_loader.load_sweep_config(self.config, self.fixed + ["trial.number=0"])
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.driver = Process.this()
@@ -402,7 +404,7 @@ class Sweep:
         """eval.final_tokens and eval.checkpoint_tokens of every trial: the study's own once a driver set
         them (a study compares its trials on one validation set), else the command's, else sized here
         once for the command's configuration on a trial's device and threads (frontier.sizing)."""
-        given = {key: self.config.eval[key] for key in EVAL_TOKENS if self.config.eval[key] is not None}
+        given = {key: self.baseline.eval[key] for key in EVAL_TOKENS if self.baseline.eval[key] is not None}
         recorded = study.user_attrs.get("eval_tokens")
         if recorded:
             for key, value in given.items():
@@ -427,7 +429,7 @@ class Sweep:
         from frontier.model import Ops
         from frontier.trainer import eval_sizing
 
-        raw = self.config.copy()
+        raw = self.baseline.copy()
         with open_dict(raw):
             del raw["hydra"]  # the run's keys only
         config = to_config(raw)
@@ -668,7 +670,7 @@ class Sweep:
         ended = self.search_ended(self.study)
         plan = self.study.user_attrs.get("confirm_plan")
         if plan is None:
-            plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.config.seed)
+            plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.baseline.seed)
             if plan is None:
                 self.stop_reason = f"{ended}; none finished, so none is confirmed"
                 self.stopping.set()
