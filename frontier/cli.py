@@ -7,7 +7,8 @@ command line is parsed and composed as Hydra will compose it, and every run it d
 point of a `--multirun` grid) is built into its typed config with every range check
 (frontier.config.to_config). Whatever Hydra, OmegaConf or a ConfigError still raises later (the
 sweeper's own checks, for one) outside the task function is turned into one sentence as well.
-`--cfg` shows a config that passes the same checks; --help and --info are passed to Hydra unchecked.
+`--cfg` shows a config that passes the schema's checks (not what running needs of this machine, such
+as its data); --help and --info are passed to Hydra unchecked.
 """
 from __future__ import annotations
 
@@ -307,9 +308,10 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                       "sweeps over values, which needs --multirun (quote a value that holds a "
                                       "comma: key='a,b'; a list is key=[a,b])")
             cfg = app.compose(overrides, RunMode.RUN)
-            check_run(app, cfg, overrides, check)
+            # --cfg only shows the config: its schema and ranges are checked, not what running needs here
+            check_run(app, cfg, overrides, None if args.cfg else check)
             if args.cfg:
-                return  # the config is only shown: nothing is written
+                return  # nothing is written
             check_writable(cfg, "hydra.run.dir")
             check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir

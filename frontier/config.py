@@ -340,6 +340,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _fraction("eval.every_fraction", self.every_fraction)
+        _require(self.core_max_per_task is None or self.core_max_per_task >= 1, "eval.core_max_per_task",
+                 self.core_max_per_task, "a positive number of items per task, or null for every item")
         for key in ("checkpoint_tokens", "final_tokens", "batch_rows"):
             value = getattr(self, key)
             _require(value is None or value >= 1, f"eval.{key}", value,

@@ -75,6 +75,21 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
         check_store_folder(tracking)
 
 
+GROUPS = ("model", "optim", "schedule", "kernel", "budget", "data", "sweep")
+UNNAMED = ("tracking.", "hydra.", "paths.", "trial.", "data.path", "sweep")  # where a run goes, not what it is
+
+
+def run_name(model: str, overrides: list[str]) -> str:
+    """A run's MLflow name: its model, then its command line's other choices and overrides, e.g.
+    `d4 optim=adamw optim.matrix_lr=0.02 seed=7` (a sweep names its trials itself)."""
+    parts = [model]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key != "model" and not key.startswith(UNNAMED):
+            parts.append(override.lstrip("+~"))
+    return " ".join(parts)
+
+
 @cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)
 def main(cfg: DictConfig) -> float:
     from frontier.lifecycle import RunWriteError
@@ -85,6 +100,8 @@ def main(cfg: DictConfig) -> float:
     if cfg.get("sweep") is not None and not multirun:
         print(f"warning: sweep={cfg.sweep.name} needs --multirun; training one run with the base config",
               file=sys.stderr)
+    if cfg.tracking.run_name is None and cfg.resume is None:  # the MLflow runs table then says what each run is
+        cfg.tracking.run_name = run_name(cfg.model.name, list(hydra_cfg.overrides.task))
     sized = sizing.describe()
     if sized and not multirun and cfg.resume is None and int(os.environ.get("RANK", "0")) == 0:
         print(sized, file=sys.stderr)

@@ -56,6 +56,9 @@ BAD = [
     (["model.value_embed_layers=[a]"], "model.value_embed_layers=[a] is not allowed: must be a list of integers"),
     (["optim.adam_betas=[0.9,x]"], "optim.adam_betas=[0.9,x] is not allowed: must be a list of numbers"),
     (["seed=abc"], "seed=abc is not allowed: must be an integer"),
+    (["eval.core_max_per_task=0"], "eval.core_max_per_task=0 is not allowed: a positive number of items per task"),
+    (["eval.core_max_per_task=-1"], "eval.core_max_per_task=-1 is not allowed: a positive number of items"),
+    (["eval.final_tokens=0"], "eval.final_tokens=0 is not allowed: must be positive, or null to size it"),
     (["neuron_logical_cores=two"], "neuron_logical_cores=two is not allowed: must be an integer or null"),
     # what Hydra's override grammar cannot read
     (["model.depth==3"], "'model.depth==3' is not allowed: it is not an override Hydra can read"),
@@ -339,6 +342,9 @@ def test_a_trial_launched_into_a_study_that_is_not_there_is_one_sentence(tmp_pat
 def test_showing_commands_still_work():
     shown = run_cli(["model=tiny", "--cfg", "job"], timeout=120)
     assert shown.returncode == 0 and "name: tiny" in shown.stdout, shown.stderr
+    # --cfg shows the config whatever this machine holds: what running needs (its data) is not checked
+    elsewhere = run_cli(["model=tiny", "data.path=/nonexistent", "--cfg", "job"], timeout=120)
+    assert elsewhere.returncode == 0 and "path: /nonexistent" in elsewhere.stdout, elsewhere.stderr
     for args in (["model.foo=1", "--cfg", "job"], ["model.depth=-1", "--cfg", "job"]):  # a config no run could take
         refused = run_cli([*args], timeout=120)
         assert refused.returncode == 2 and refused.stderr.startswith(f"error: {args[0]} is not allowed") \

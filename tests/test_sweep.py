@@ -159,8 +159,11 @@ def test_diverging_trial_fails_the_sweep_goes_on_and_mlflow_nests_trials(tmp_pat
     parents = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert parents[0].data.metrics["trials_complete"] == 1 and parents[0].data.metrics["trials_fail"] == 1
-    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    children = {r.info.run_name.split()[0]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert set(children) == {f"trial-{sane.number}", f"trial-{absurd.number}"}
+    # a child's name says what it tried: its trial number and parameters
+    assert children[f"trial-{sane.number}"].info.run_name == f"trial-{sane.number} optim.matrix_lr=0.04"
     assert children[f"trial-{sane.number}"].info.status == "FINISHED"
     assert children[f"trial-{absurd.number}"].info.status == "FAILED"
     assert children[f"trial-{absurd.number}"].data.params["trial.number"] == str(absurd.number)

@@ -359,7 +359,7 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
         parents = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-        assert sorted(r.info.run_name for r in children) == [f"trial-{n}" for n in range(4)]
+        assert sorted(r.info.run_name.split()[0] for r in children) == [f"trial-{n}" for n in range(4)]
         assert all(r.info.status == "FINISHED" for r in children)  # as COMPLETE in the study
     finally:
         optuna.delete_study(study_name=name, storage=postgres)
@@ -759,7 +759,7 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
         assert not Path(storage).exists()  # not a new journal holding only the driver's last records
 
     client = MlflowClient(uri)
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gone").experiment_id])}
+    runs = {r.info.run_name.split()[0]: r for r in client.search_runs([client.get_experiment_by_name("gone").experiment_id])}
     assert runs["sweep-gone"].info.status == "FAILED"
     first = json.loads((out / "0" / "summary.json").read_text())
     assert first["status"] == "FINISHED" and runs["trial-0"].info.status == "FINISHED"

@@ -190,10 +190,18 @@ def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
 
 @pytest.mark.slow
 def test_an_unreachable_tracking_store_is_found_before_any_data_is_read(wiki, tmp_path):
-    started = time.time()
     result = run_cli([*FAST, "tracking.enabled=true", "tracking.required=true", "tracking.uri=http://127.0.0.1:9",
                       f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: tracking.uri=http://127.0.0.1:9")
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no token cache built
-    assert time.time() - started < 120
+
+
+def test_a_run_is_named_by_its_model_and_what_its_command_changed():
+    from frontier.train import run_name
+
+    assert run_name("d4", ["model=d4", "optim.matrix_lr=0.02", "seed=7"]) == "d4 optim.matrix_lr=0.02 seed=7"
+    assert run_name("tiny", []) == "tiny"  # the sized defaults
+    # where a run is written or tracked is not what it is
+    assert run_name("tiny", ["+optim=adamw", "tracking.uri=sqlite:///x.db", "hydra.run.dir=/tmp/r",
+                             "paths.home=/h", "data.path=/d"]) == "tiny optim=adamw"

@@ -725,11 +725,12 @@ class Sweep:
                                     "its own")
             params = [as_override(key, value) for key, value in trial.params.items()]
             overrides = self.fixed + self.eval_overrides() + params
-            confirm, name = trial.user_attrs.get("confirm"), f"trial-{trial.number}"
+            confirm = trial.user_attrs.get("confirm")
+            name = " ".join([f"trial-{trial.number}", *(f"{key}={_short(value)}" for key, value in trial.params.items())])
             if confirm is not None:  # the same configuration with a seed of its own
                 seed = trial.user_attrs["confirm_seed"]
                 overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "seed"] + [f"seed={seed}"]
-                name += f" confirm {confirm} seed={seed}"
+                name = f"trial-{trial.number} confirm {confirm} seed={seed}"
             extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
                      f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
                      f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
@@ -1109,6 +1110,11 @@ def _on_signals(handler) -> None:
 
 
 _UNSET = object()  # a study attribute never recorded
+
+
+def _short(value) -> str:
+    """A parameter as a run's name shows it: floats to 4 significant digits."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _low(dist: BaseDistribution):
