@@ -18,7 +18,9 @@ class BudgetClock:
     step that queued it.
 
     Throughput counts charged tokens over charged time: a step whose time is only partly charged
-    (the cap ran out during it) counts the same fraction of its tokens.
+    (the cap ran out during it) counts the same fraction of its tokens. The process's CPU time in
+    charged steps is kept beside it (`charged_cpu`): on a CPU, MFU is taken per CPU-second, which a
+    busy neighbour does not change.
     """
 
     def __init__(self, cfg: BudgetConfig, synchronize: Callable[[], None] = lambda: None,
@@ -29,6 +31,7 @@ class BudgetClock:
         self.steps = 0
         self.charged = 0.0
         self.charged_tokens = 0.0
+        self.charged_cpu = 0.0  # CPU seconds of this process's threads in charged steps
         self.earlier_launches: list[float] = []  # excluded seconds of each earlier launch
         self.launch_steps = 0  # steps taken by this process launch
         self.launch_charged = 0.0
@@ -37,12 +40,12 @@ class BudgetClock:
     @contextlib.contextmanager
     def step(self, tokens: int = 0) -> Iterator[None]:
         self.synchronize()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         yield
         self.synchronize()
-        self.add_step(self.slowest(time.perf_counter() - start), tokens)
+        self.add_step(self.slowest(time.perf_counter() - start), tokens, time.process_time() - cpu)
 
-    def add_step(self, seconds: float, tokens: int = 0) -> None:
+    def add_step(self, seconds: float, tokens: int = 0, cpu_seconds: float = 0.0) -> None:
         self.steps += 1
         self.launch_steps += 1
         forgiven = 0.0
@@ -53,6 +56,7 @@ class BudgetClock:
         self.launch_charged += seconds - forgiven
         if seconds > 0:
             self.charged_tokens += tokens * (seconds - forgiven) / seconds
+            self.charged_cpu += cpu_seconds * (seconds - forgiven) / seconds
 
     @property
     def excluded(self) -> float:
@@ -81,11 +85,12 @@ class BudgetClock:
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "charged": self.charged, "charged_tokens": self.charged_tokens,
-                "excluded_per_launch": self.excluded_per_launch}
+                "charged_cpu": self.charged_cpu, "excluded_per_launch": self.excluded_per_launch}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues a saved clock in a new launch, which gets its own forgiven start-up steps."""
         self.steps, self.charged = state["steps"], state["charged"]
         self.charged_tokens = state["charged_tokens"]
+        self.charged_cpu = state.get("charged_cpu", 0.0)  # absent from a resume.pt of an earlier version
         self.earlier_launches = list(state["excluded_per_launch"])
         self.launch_steps, self.launch_charged, self.launch_excluded = 0, 0.0, 0.0

@@ -217,6 +217,8 @@ def describe(run: Run) -> dict:
         "budget": run.config.budget.name,
         "budget_seconds": run.config.budget.seconds,
         "world_size": run.world.size,
+        "threads": torch.get_num_threads(),
+        "mfu_basis": "cpu time" if run.device.kind == "cpu" else "wall clock",
     }
 
 
@@ -259,9 +261,15 @@ def marks_reached(progress: float, every: float) -> int:
     return int(progress / every + 1e-9) if every > 0 else 0
 
 
-def mfu(tokens_per_second: float, summary: dict) -> float | None:
+def mfu(tokens: float, seconds: float, cpu_seconds: float, summary: dict) -> float | None:
+    """Model FLOPs over the peak. On a CPU per CPU-second (`mfu_basis`: a busy neighbour takes wall-clock
+    time from a run, not CPU time) against the peak of the run's threads; elsewhere per second."""
     peak = summary.get("peak_flops")
-    return tokens_per_second * summary["flops_per_token"] / peak if peak else None
+    if not peak:
+        return None
+    if summary.get("mfu_basis") == "cpu time" and cpu_seconds > 0:
+        return tokens / cpu_seconds * summary["threads"] * summary["flops_per_token"] / peak
+    return tokens / seconds * summary["flops_per_token"] / peak if seconds > 0 else 0.0
 
 
 def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str | None:
@@ -275,7 +283,7 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
     next_save = next_mark(clock.progress, save_every)
     marks_reported = marks_reached(clock.progress, eval_every)
     loss_sum, loss_count = torch.zeros(()), 0
-    log_start, log_tokens = clock.charged, clock.charged_tokens
+    log_start, log_tokens, log_cpu = clock.charged, clock.charged_tokens, clock.charged_cpu
     stopping, check_stop = False, True
     loop_start = time.perf_counter()
     run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
@@ -310,12 +318,12 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
                 "charged_seconds": clock.charged,
                 "progress": progress,
                 "tokens_per_second": tokens_per_second,
-                "mfu": mfu(tokens_per_second, run.summary) or 0.0,
+                "mfu": mfu(clock.charged_tokens - log_tokens, interval, clock.charged_cpu - log_cpu, run.summary) or 0.0,
             }
             life.notify("on_log", metrics, clock.steps)
             display.update(progress, metrics, clock.seconds_left)
             loss_sum, loss_count = torch.zeros(()), 0
-            log_start, log_tokens = clock.charged, clock.charged_tokens
+            log_start, log_tokens, log_cpu = clock.charged, clock.charged_tokens, clock.charged_cpu
             next_log = next_mark(progress, log_every)
         if clock.done:
             break
@@ -431,6 +439,8 @@ def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
     """The run's final numbers, whatever ended it."""
     cfg, clock, summary = run.config, run.clock, run.summary
     tokens_per_second = clock.charged_tokens / clock.charged if clock.charged > 0 else 0.0
+    if summary.get("mfu_basis") == "cpu time" and clock.charged_cpu > 0:  # beside the wall-clock rate
+        summary["tokens_per_cpu_second"] = clock.charged_tokens / clock.charged_cpu
     summary.update({
         "tokens_seen": run.tokens_seen,
         "val_bpb": bpb,
@@ -438,7 +448,7 @@ def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
         "steps": clock.steps,
         "progress": clock.progress,
         "tokens_per_second": tokens_per_second,
-        "mfu": mfu(tokens_per_second, summary),
+        "mfu": mfu(clock.charged_tokens, clock.charged, clock.charged_cpu, summary),
         "charged_seconds": clock.charged,
         "excluded_seconds": clock.excluded,
         "excluded_seconds_per_launch": clock.excluded_per_launch,

@@ -67,3 +67,13 @@ def test_throughput_counts_only_the_charged_part_of_each_step():
     clock.add_step(2.0, tokens=100)  # 1 s forgiven, 1 s charged: half its tokens count
     clock.add_step(1.0, tokens=100)
     assert clock.charged == 2.0 and clock.charged_tokens == 150.0
+
+
+def test_the_clock_keeps_the_cpu_time_of_charged_steps_and_resumes_it():
+    clock = BudgetClock(BudgetConfig(seconds=10, excluded_steps=1, startup_cap_seconds=5))
+    clock.add_step(2.0, tokens=100, cpu_seconds=4.0)  # forgiven: neither its time nor its CPU time is charged
+    clock.add_step(1.0, tokens=100, cpu_seconds=1.5)
+    assert clock.charged_cpu == 1.5
+    resumed = BudgetClock(clock.cfg)
+    resumed.load_state_dict(clock.state_dict())
+    assert resumed.charged_cpu == 1.5

@@ -205,3 +205,17 @@ def test_a_run_is_named_by_its_model_and_what_its_command_changed():
     # where a run is written or tracked is not what it is
     assert run_name("tiny", ["+optim=adamw", "tracking.uri=sqlite:///x.db", "hydra.run.dir=/tmp/r",
                              "paths.home=/h", "data.path=/d"]) == "tiny optim=adamw"
+
+
+def test_on_a_cpu_mfu_is_taken_per_cpu_second():
+    from frontier.budget import BudgetClock
+    from frontier.config import BudgetConfig
+    from frontier.trainer import summarize
+
+    clock = BudgetClock(BudgetConfig(seconds=10, excluded_steps=0, startup_cap_seconds=5))
+    clock.add_step(2.0, tokens=1000, cpu_seconds=2.0)  # 2 s of wall, but only 1 s on each of 2 threads: a busy neighbour
+    summary = {"flops_per_token": 1e6, "peak_flops": 2e9, "threads": 2, "mfu_basis": "cpu time"}
+    run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=1000)
+    summarize(run, None, 0)
+    assert summary["tokens_per_second"] == 500.0 and summary["tokens_per_cpu_second"] == 500.0
+    assert summary["mfu"] == 0.5  # 500 tokens per CPU-second x 2 threads x 1 MFLOP against 2 GFLOP/s
