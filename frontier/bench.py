@@ -33,7 +33,7 @@ import kernels
 from frontier import bench_results, paths
 from frontier.cli import check_command_line, command, print_help_if_asked, unwritable
 from frontier.config import ConfigError, error_line, register_schemas, to_config
-from frontier.device import matmul_rate, resolve_device
+from frontier.device import DTYPES, matmul_rate, measure_matmul_flops, resolve_device
 
 
 @dataclass
@@ -113,27 +113,6 @@ def compose(overrides: list[str]):
 
     with initialize_config_dir(config_dir=str(paths.conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
-
-
-def cpu_matmul_rate(dtype: torch.dtype, seconds: float = 1.0) -> float:
-    """FLOPs per second of this process's CPU time (all its threads) of the fastest square matmul,
-    up to 2048², timed over `seconds`: what a CPU step's FLOPs per CPU-second are compared with."""
-    size = 256
-    while True:  # the largest size whose matmul takes under a twentieth of `seconds`
-        a, out = torch.randn(size, size, dtype=dtype), torch.empty(size, size, dtype=dtype)
-        torch.mm(a, a, out=out)
-        start = time.process_time()
-        torch.mm(a, a, out=out)  # into one buffer, so the figure holds no allocation
-        if size >= 2048 or time.process_time() - start > seconds / 20:
-            break
-        size *= 2
-    best, spent = float("inf"), 0.0
-    while spent < seconds:
-        start = time.process_time()
-        torch.mm(a, a, out=out)
-        took = time.process_time() - start
-        best, spent = min(best, took), spent + max(took, 1e-3)
-    return 2 * size ** 3 / max(best, 1e-9)
 
 
 def time_training_step(raw, bench: BenchConfig) -> dict:
@@ -279,7 +258,9 @@ def main(argv: list[str]) -> dict:
             step_flops = figures["batch_tokens"] * figures["flops_per_token"]
             if on_cpu:  # the step's FLOPs per CPU-second against the matmul's: load on the machine cancels
                 if precision not in cpu_rates:
-                    cpu_rates[precision] = cpu_matmul_rate({"bf16": torch.bfloat16, "fp32": torch.float32}[precision])
+                    # one thread's matmul rate per CPU-second (the device's measurement is that times the threads)
+                    cpu_rates[precision] = measure_matmul_flops(figures["device"], dtype=DTYPES[precision],
+                                                                seconds=1.0) / torch.get_num_threads()
                 measured = step_flops / figures["cpu_seconds_per_step"] / cpu_rates[precision]
             else:
                 measured = flops / rates[f"matmul_{precision}_flops"]
