@@ -106,7 +106,7 @@ def table(rows: list[dict], phase: int) -> str:
 def parse_args(argv: list[str]) -> SimpleNamespace:
     args = SimpleNamespace(experiment=TrackingConfig.experiment, top=20, phase=1, budget=None, uri=None)
     keys = ["experiment", "top", "phase", "budget", "tracking.uri", "tracking.experiment"]
-    for arg in argv:  # each mistake is the README's `KEY=VALUE is not allowed: ...` sentence
+    for arg in argv:  # each mistake is the `KEY=VALUE is not allowed: ...` sentence every command gives
         key, sep, value = arg.partition("=")
         if not sep:
             raise ValueError(f"{arg!r} is not allowed: arguments are key=value, such as experiment=NAME or top=20")

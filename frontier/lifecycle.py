@@ -318,7 +318,7 @@ def claimed(run_dir: Path) -> Iterator[bool | None]:
 
 @dataclass
 class RunInfo:
-    """What a sink may read when it is built, before any data is loaded (see CONTRACT in README)."""
+    """What a sink may read when it is built, before any data is loaded (the protocol: frontier/observers.py)."""
 
     config: object  # frontier.config.Config
     raw: object  # the DictConfig

@@ -88,7 +88,7 @@ def test_a_launched_trial_past_its_timeout_is_cancelled_and_recorded_with_why(tm
     assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=2 s"
 
 
-# The trn2 line of README's sweep section, as Hydra composes it.
+# The trn2 line of docs/sweeps.md, as Hydra composes it.
 TRN2 = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=trn2", "hydra.launcher.timeout_min=60",
         "hydra.launcher.cpus_per_task=32", "+hydra.launcher.additional_parameters.exclusive=true"]
 

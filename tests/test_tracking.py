@@ -764,7 +764,7 @@ def test_phase2_scores_hand_computed():
 
 @pytest.mark.slow
 def test_a_postgresql_tracking_uri_records_the_run_with_the_driver_that_is_installed(tmp_path):
-    """`tracking.uri=postgresql://…` as README gives it: SQLAlchemy would read it as psycopg 3, which the
+    """`tracking.uri=postgresql://…` as docs/tracking.md gives it: SQLAlchemy would read it as psycopg 3, which the
     project does not install; the run must be recorded through psycopg2, and `sync` finds it again."""
     psycopg2 = pytest.importorskip("psycopg2")
     database = f"frontier_tracking_{os.getpid()}_{time.time_ns()}"
