@@ -38,7 +38,7 @@ class RunDisplay:
         table = Table(title="run summary", show_header=False)
         for key in ("status", "val_bpb", "params", "flops_per_token", "steps", "tokens_seen",
                     "tokens_per_second", "mfu", "charged_seconds", "excluded_seconds",
-                    "budget_utilization", "device", "error"):
+                    "budget_utilization", "wall_seconds", "training_share", "device", "error"):
             if key in summary and summary[key] is not None:
                 table.add_row(key, _fmt(summary[key]))
         self.console.print(table)
