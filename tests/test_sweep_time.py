@@ -28,6 +28,17 @@ def sweep(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def start_until(command: list[str], text: str) -> tuple[subprocess.Popen, list[str]]:
+    """A sweep driver started, and its output read up to the first line holding `text`."""
+    driver = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in driver.stdout:
+        lines.append(line)
+        if text in line:
+            break
+    return driver, lines
+
+
 def trials_of(storage: str, name: str) -> list:
     return optuna.load_study(study_name=name, storage=open_storage(storage)).get_trials(deepcopy=False)
 
@@ -127,12 +138,7 @@ def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_
             f"sweep.storage={storage}", "sweep.study_name=confirm", "tracking.enabled=true",
             f"tracking.uri={store}", "budget.max_steps=8"]
     command = [sys.executable, "-m", "frontier.train", "--multirun", *TINY, *args, f"hydra.sweep.dir={tmp_path / 'a'}"]
-    driver = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seen = []
-    for line in driver.stdout:
-        seen.append(line)
-        if "(confirmation: " in line:
-            break
+    driver, seen = start_until(command, "(confirmation: ")
     driver.kill()
     driver.wait(timeout=60)
     assert any("(confirmation: baseline, seed=1338)" in line for line in seen), "".join(seen)[-3000:]
@@ -196,12 +202,7 @@ def test_trials_run_in_standby_processes_and_a_dead_standby_is_replaced(wiki, tm
     command = [sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr", "sweep.n_trials=3",
                "sweep.pruner=none", f"sweep.storage={storage}", "sweep.study_name=warm", "budget.max_steps=12",
                f"hydra.sweep.dir={tmp_path / 'out'}"]
-    driver = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
-    for line in driver.stdout:
-        lines.append(line)
-        if "trial 1 started" in line:
-            break
+    driver, lines = start_until(command, "trial 1 started")
     killed = None
     deadline = time.time() + 120
     while killed is None and time.time() < deadline:  # the standby the second trial started beside it
