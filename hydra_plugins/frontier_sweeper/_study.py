@@ -791,7 +791,7 @@ class Sweep:
                 process = self.start_process(slot, self.command + argv, stdout=out)
         if self.sweep.devices_per_trial == 1 and self.more_trials():  # torchrun starts its own processes
             number = next(i for i, other in enumerate(self.slots) if other is slot)
-            with contextlib.suppress(OSError), open(self.sweep_dir / f".standby-{number}.log", "w") as out:
+            with contextlib.suppress(OSError), open(self.sweep_dir / f".standby-{number}.log", "a") as out:  # every standby of the slot, in turn
                 self.standby[id(slot)] = self.start_process(slot, [sys.executable, "-m", "frontier.standby"], stdout=out,
                                                             stdin=subprocess.PIPE, text=True)
         return process
