@@ -341,7 +341,7 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     ranked = front if front else complete[:10]
     lines += ["## Pareto front" if front else "## Top 10", "",
               "| rank | trial | " + " | ".join(columns) + " | charged s | " + " | ".join(params) + " |",
-              "|" + "---|" * (4 + len(columns) + len(params))]
+              "|" + "---|" * (3 + len(columns) + len(params))]
     for rank, t in enumerate(ranked, 1):
         bpb, core = metrics_of(t)
         cell = {"composite": t.value if not front else None, "val_bpb": bpb, "core": core,
