@@ -7,10 +7,14 @@ phase=1 ranks by val_bpb (lower is better). phase=2 ranks by 0.5*norm(val_bpb) +
 each min-max normalised over all ranked runs so that 1 is the best value among them (the lowest
 val_bpb, the highest CORE); runs without a `core` metric are left out, with a note. `top` only
 shortens the printout, it does not change the normalisation.
+
+A configuration trained with several seeds (a sweep's confirmation runs, or runs a user repeated with
+`seed=N`) is listed again below the table, once, with the mean +- standard deviation of its val_bpb.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -83,6 +87,33 @@ def differences(params: dict, best: dict) -> list[str]:
     keys = sorted(set(params) | set(best))
     return [f"{k}={params.get(k, '-')}" for k in keys
             if not k.startswith(IGNORED_PREFIXES) and params.get(k) != best.get(k)]
+
+
+def seed_groups(rows: list[dict]) -> list[dict]:
+    """Runs that differ only in `seed` (and bookkeeping), grouped where there are at least two seeds:
+    each group's runs, mean and standard deviation of val_bpb, best mean first."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        config = tuple(sorted((k, v) for k, v in row["params"].items() if not k.startswith(IGNORED_PREFIXES)
+                              and k != "seed"))
+        groups.setdefault(config, []).append(row)
+    found = []
+    for members in groups.values():
+        if len({row["params"].get("seed") for row in members}) >= 2:
+            values = [row["val_bpb"] for row in members]
+            found.append({"rows": members, "mean": statistics.fmean(values), "sd": statistics.stdev(values),
+                          "params": members[0]["params"]})
+    return sorted(found, key=lambda group: group["mean"])
+
+
+def seed_table(groups: list[dict]) -> str:
+    best = groups[0]["params"]
+    lines = ["configurations trained with several seeds (val_bpb mean +- sd, best mean first):"]
+    for i, group in enumerate(groups, 1):
+        changed = [d for d in differences(group["params"], best) if not d.startswith("seed=")]
+        lines.append(f"{i}  {group['mean']:.4f} +- {group['sd']:.4f}  {len(group['rows'])} seeds  "
+                     + (" ".join(changed) or ("(best)" if i == 1 else "(same config)")))
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], phase: int) -> str:
@@ -170,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     if rows:
         print(table(rows[:args.top], args.phase))
+    groups = seed_groups(rows) if args.phase == 1 else []
+    if groups:
+        print(seed_table(groups[:args.top]))
     return 0
 
 

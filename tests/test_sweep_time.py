@@ -255,3 +255,27 @@ def _frontier_processes(sweep_dir: Path) -> list[int]:
         if (str(sweep_dir) in args or output.startswith(str(sweep_dir))) and state not in ("Z", "X"):
             alive.append(pid)
     return alive
+
+
+def test_the_leaderboard_gives_a_configuration_run_with_several_seeds_its_mean_and_sd(tmp_path, capsys):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    from frontier import leaderboard
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("seeds", artifact_location=(tmp_path / "artifacts").as_uri())
+    runs = [({"optim.matrix_lr": "0.04", "seed": "1"}, 2.01), ({"optim.matrix_lr": "0.04", "seed": "2"}, 2.03),
+            ({"optim.matrix_lr": "0.06", "seed": "1"}, 1.94), ({"optim.matrix_lr": "0.06", "seed": "2"}, 1.96),
+            ({"optim.matrix_lr": "0.02", "seed": "1"}, 2.10)]  # one seed: no spread to show
+    for i, (params, bpb) in enumerate(runs):
+        run = client.create_run(experiment, run_name=f"run-{i}")
+        client.log_batch(run.info.run_id, metrics=[Metric("val_bpb", bpb, 0, 0)],
+                         params=[Param(k, v) for k, v in {**params, "budget.name": "smoke", "trial.number": str(i)}.items()])
+        client.set_terminated(run.info.run_id, "FINISHED")
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=seeds"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    groups = out[out.index("configurations trained with several seeds (val_bpb mean +- sd, best mean first):") + 1:]
+    assert groups == ["1  1.9500 +- 0.0141  2 seeds  (best)",
+                      "2  2.0200 +- 0.0141  2 seeds  optim.matrix_lr=0.04"]
