@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import types
 import typing
@@ -47,6 +46,7 @@ from omegaconf.errors import (InterpolationKeyError, InterpolationResolutionErro
 
 import frontier
 from frontier.config import SCHEMA_NAME, ConfigError, error_line, key_hint, register_schemas, to_config
+from frontier.paths import unwritable
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 GRID_LIMIT = 10_000  # runs in one --multirun grid: each is a budgeted training run
@@ -684,18 +684,3 @@ def check_writable_path(key: str, path: Path) -> None:
         existing, reason = found
         raise ConfigError(f"{key}={path} is not allowed: it cannot be created ({reason}); {existing} "
                           "is not a writable directory")
-
-
-def unwritable(path: Path) -> Optional[tuple[Path, str]]:
-    """None when the directory `path` can be created or written to; else its nearest existing parent
-    and why not. Found out by a folder made and removed again there (permission bits alone mislead root)."""
-    existing = path.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return existing, os.strerror(errno.ENOTDIR)
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".frontier-check-", dir=existing))
-        return None
-    except OSError as err:
-        return existing, err.strerror or type(err).__name__
