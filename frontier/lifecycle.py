@@ -170,7 +170,7 @@ def for_run(run) -> list:
     found = [MetricsFile.for_run(run)]  # drops what a killed launch logged after its resume point
     try:
         if run.config.tracking.enabled:
-            from frontier.tracking import MlflowObserver
+            from frontier.mlflow_observer import MlflowObserver
 
             found.append(MlflowObserver.for_run(run))
         if run.config.trial.number is not None:

@@ -402,7 +402,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
         return None
     from mlflow import MlflowClient
 
-    from frontier.tracking import MLFLOW_STATUS  # and its settings: a store that is down fails fast
+    from frontier.store import MLFLOW_STATUS  # and its settings: a store that is down fails fast
 
     client = MlflowClient(tracking_uri=uri)
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")

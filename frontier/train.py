@@ -65,7 +65,7 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
     check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     # a sweep's driver opens its store whatever tracking.required says, after its study is created
     if cfg.tracking.enabled and (cfg.tracking.required or cfg.get("sweep") is not None):
-        from frontier.tracking import check_store_folder, probe_store
+        from frontier.store import check_store_folder, probe_store
 
         tracking = OmegaConf.to_object(cfg.tracking)
         try:

@@ -455,7 +455,7 @@ class Sweep:
         return sorted(int(path.name) for path in self.sweep_dir.iterdir()
                       if path.name.isdigit() and path.is_dir() and earlier_records(path))
 
-    def unrecorded_parent_run(self, tracking, cfg) -> str | None:
+    def unrecorded_parent_run(self, store, cfg) -> str | None:
         """The parent run a driver of this study that is gone made without recording it in the study."""
         recorded = {key.removeprefix("driver:") for key in
                     self.study._storage.get_study_system_attrs(self.study._study_id) if key.startswith("driver:")}
@@ -463,7 +463,7 @@ class Sweep:
         if not gone:
             return None
         try:
-            return tracking.orphaned_parent_run(cfg, {"sweep.study": self.study_name, tracking.RUN_KIND_TAG: "sweep"},
+            return store.orphaned_parent_run(cfg, {"sweep.study": self.study_name, store.RUN_KIND_TAG: "sweep"},
                                                 gone)
         except Exception:  # the store failed: start_parent_run meets it too, and says so
             return None
@@ -529,14 +529,11 @@ class Sweep:
     def start_tracking(self) -> None:
         if not self.config.tracking.enabled:
             return
-        try:
-            from frontier import tracking
-        except ImportError:
-            log.warning("frontier.tracking is not available: this sweep is not recorded in MLflow")
-            return
+        from frontier import store  # MLflow is imported only by a sweep that tracks
+
         cfg = OmegaConf.to_object(self.config.tracking)
         try:
-            tracking.ensure_store(tracking.tracking_uri(cfg))  # once, before parallel trials race to create it
+            store.ensure_store(store.tracking_uri(cfg))  # once, before parallel trials race to create it
         except ConfigError as err:  # checked with the command line, but it failed since
             raise TrackingStartError(str(err)) from None
         params = {"study": self.study_name, "storage": safe_storage(self.storage_spec),
@@ -546,21 +543,21 @@ class Sweep:
         params.update({f"space.{key}": str(dist) for key, dist in self.space.items()})
         # sweep.driver names this driver's run, should a signal inside create_run leave it without its id
         tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name, "sweep.driver": str(self.driver)}
-        uri = tracking.tracking_uri(cfg)
+        uri = store.tracking_uri(cfg)
         with self.locked():  # two drivers starting together must not create two parent runs
             attrs = self.study.user_attrs
             existing = attrs.get("mlflow_run_id") if attrs.get("mlflow_tracking_uri") == uri else None
             if existing is None:  # one its driver made but never recorded (killed as it made it) is continued
-                existing = self.unrecorded_parent_run(tracking, cfg)
+                existing = self.unrecorded_parent_run(store, cfg)
             opened = {}
             try:
-                tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
+                store.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
                                           opened=opened)
             except Exception as err:  # the store failed half-way: the sweep stops, its end still recorded
                 raise TrackingStartError(f"tracking.uri={uri} could not start the sweep's MLflow run "
-                                         f"({tracking.store_error_line(err)})") from err
+                                         f"({store_error_line(err)})") from err
             finally:  # also when a signal broke the start off: the sweep's end then ends the run KILLED,
-                # and the study's next driver reopens it (a run left unnamed here stayed RUNNING for good)
+                # and the study's next driver reopens it (a run left unnamed here would stay RUNNING for good)
                 self.parent_run_id = opened.get("run_id")
                 if self.parent_run_id is not None:
                     self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
@@ -588,10 +585,10 @@ class Sweep:
         if others:
             log.info(f"the study's MLflow run goes on: {len(others)} other driver(s) still run trials")
             return
-        from frontier import tracking
+        from frontier import store
 
         try:
-            tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
+            store.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
                                     metrics, artifacts)
         except Exception as err:
             log.warning(f"could not end the sweep's MLflow run {self.parent_run_id} ({error_line(err)}); "
@@ -603,14 +600,14 @@ class Sweep:
         store could not close (it was down) is tried again with the next ones and at the sweep's end."""
         if not self.config.tracking.enabled:
             return
-        from frontier import tracking
+        from frontier import store
 
         with self.closing:
             self.unclosed.update(t.user_attrs["mlflow_run_id"] for t in trials
                                  if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id"))
             if not self.unclosed:
                 return
-            failed = tracking.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED")
+            failed = store.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED")
             for run_id, error in failed.items():
                 log.warning(f"could not close the MLflow run {run_id} yet (tried again later): {error}")
             self.unclosed = set(failed)
