@@ -26,7 +26,8 @@ import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from frontier import paths  # noqa: E402
-from frontier.cli import check_writable_path, command, print_help_if_asked  # noqa: E402
+from frontier.cli import command, print_help_if_asked  # noqa: E402
+from frontier.compose import check_writable_path  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.timing import PARTS as TIME_PARTS  # noqa: E402
 from frontier.study import (all_drivers_ended, damaged_journal, is_rdb, open_storage, safe_storage,  # noqa: E402

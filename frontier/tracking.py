@@ -20,7 +20,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from frontier import paths
-from frontier.cli import NAME_ERRORS, command, print_help_if_asked, refused_path
+from frontier.cli import command, print_help_if_asked
+from frontier.compose import NAME_ERRORS, refused_path
 from frontier.config import ConfigError, TrackingConfig, error_line, store_error_line
 from frontier.lifecycle import claimed
 from frontier.mlflow_observer import (ACK_FILE, _active_run, _end_calls, _history, _log_curves, _made_by_broken_start,

@@ -28,7 +28,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 
-from frontier.cli import Composer, check_run, parse_override
+from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
