@@ -69,7 +69,7 @@ def find_checkpoint(command: EvalCommand) -> tuple[Path, Optional[str]]:
             raise ConfigError(f"checkpoint={path} is not allowed: its {summary} is not a run's summary (a JSON "
                               f"{type(record).__name__}, not an object)")
         return path, record.get("mlflow_run_id")
-    from frontier.tracking import checkpoint_of_run
+    from frontier.store import checkpoint_of_run
 
     return checkpoint_of_run(command.tracking, command.run_id), command.run_id
 
@@ -124,7 +124,8 @@ class NotLogged(Exception):
 def log_to_run(command: EvalCommand, path: Path, run_id: str, metrics: dict) -> None:
     """Into the store the run was tracked in: `tracking.uri` when given, else the one its run directory
     recorded (tracking.json beside the checkpoint), else the default store."""
-    from frontier.tracking import log_metrics_to_run, read_ack, tracking_uri
+    from frontier.mlflow_observer import read_ack
+    from frontier.store import log_metrics_to_run, tracking_uri
 
     given = command.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
     recorded = None if given or command.run_id else read_ack(path.parent).get("uri")

@@ -1,15 +1,9 @@
-"""One owner of a run's life: its state, its sinks, the signals that stop it, and its terminal writes.
+"""One owner of a run's life: its state, its sinks, its run directory and its terminal writes.
 
 A run is RUNNING until it ends FINISHED, FAILED, KILLED, PRUNED or COMPILED. Whatever ends it,
 `Lifecycle.end` writes summary.json and then calls every sink's `on_end`, each write guarded so
-that one that fails (a full disk, a dead tracking server) never skips another.
-
-Signals are deferred: while the training loop runs, SIGTERM or SIGINT only sets a flag, and the
-loop stops at the next step boundary, where the model, optimizers, loader, clock and RNG all
-belong to the same step and resume.pt can be written. A second signal within ABORT_WINDOW
-seconds aborts at once (without writing resume.pt), except in a data-parallel rank, which a launcher
-can signal twice for one stop, and except an echo of the first within ECHO_WINDOW. `request_stop` sets the same flag from any
-thread (e.g. a sweep trial whose driver is gone).
+that one that fails (a full disk, a dead tracking server) never skips another. The signals that stop
+a run are deferred to a step boundary (frontier.stopping).
 
 A run directory has one owner at a time: the process training in it holds an exclusive lock on its
 run.lock, which the kernel drops however the process ends (kill -9 too). A second process that would
@@ -23,180 +17,22 @@ import fcntl
 import json
 import math
 import os
-import signal
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from frontier.config import ConfigError, error_line, raised_from
+from frontier.config import ConfigError
 from frontier.observers import MetricsFile, notify
+# the run's stops and writes, named here too: the trainer and the loader ask the run's owner for them
+from frontier.files import RunWriteError, atomic_write, writing, write_json  # noqa: F401
+from frontier.stopping import (NOT_STARTED, TERMINAL, Killed, _reset, closing, deferred_signals,  # noqa: F401
+                               not_started, raise_if_stopped, recording_end, request_stop, signals_handled,
+                               stop_requested)
 
-ABORT_WINDOW = 5.0  # seconds: a second signal this soon after the first aborts at once
-# seconds: a signal this soon after the first is the same stop delivered twice (GNU timeout and batch
-# schedulers signal the process and then its whole process group), not a user asking to abort
-ECHO_WINDOW = 0.25
 LOCK_FILE = "run.lock"
 # what a run leaves in its directory, which a new run there would write over or add its own records to
 RUN_RECORDS = ("summary.json", "metrics.jsonl", "resume.pt", "final.pt")
-NOT_STARTED = "not started: "  # the error of a launch that ended before its first step
-TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED", "COMPILED")
-
-
-class Killed(KeyboardInterrupt):
-    """The run stopped because of a signal or `request_stop`; it is recorded KILLED."""
-
-
-class RunWriteError(Exception):
-    """A file of the run (resume.pt, summary.json) could not be written: one sentence naming it."""
-
-
-# -----------------------------------------------------------------------------
-# Deferred stops: a flag set by signals or any thread, read by the loop between steps
-
-_lock = threading.Lock()
-_stop_reason: str | None = None
-_first_signal_at = -math.inf
-_deferring = False  # True while the training loop runs: signals wait for the step boundary
-_ending = False  # True while the terminal records are written: signals can no longer stop anything
-_handling = False  # True while _on_signal is installed (inside signals_handled)
-
-
-def request_stop(reason: str) -> None:
-    """Ends the run KILLED with `reason` (thread-safe): the training loop at its next step boundary;
-    set-up or the final evaluation at once, as a signal would (there is no step to finish)."""
-    global _stop_reason
-    with _lock:
-        first = _stop_reason is None
-        if first:
-            _stop_reason = reason
-    if (first and _handling and not _deferring and not _ending
-            and threading.current_thread() is not threading.main_thread()):
-        os.kill(os.getpid(), signal.SIGTERM)  # only the main thread can be interrupted: through its handler
-
-
-def stop_requested() -> str | None:
-    return _stop_reason
-
-
-def _reset() -> None:
-    global _stop_reason, _first_signal_at, _deferring, _ending
-    with _lock:
-        _stop_reason, _first_signal_at, _deferring, _ending = None, -math.inf, False, False
-
-
-def _on_signal(signum, frame) -> None:
-    global _first_signal_at, _stop_reason
-    name = signal.Signals(signum).name
-    now = time.monotonic()
-    if _ending:  # the records of the run's end are being written: let them finish
-        with _lock:
-            _stop_reason = _stop_reason or f"interrupted by {name}"
-        print(f"{name}: the run is already ending; its records are being written", file=sys.stderr, flush=True)
-        return
-    if now - _first_signal_at < ECHO_WINDOW:
-        return
-    if not _deferring:  # setting up or finishing: nothing to save at a step boundary
-        reason = _stop_reason = _stop_reason or f"interrupted by {name}"  # kept for raise_if_stopped
-        _first_signal_at = now
-        print(f"{reason}: stopping now (no training step to finish)", file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(reason)
-    if _data_parallel():  # the launcher passes one stop on to every rank: a rank can get it twice at once
-        if _first_signal_at == -math.inf:
-            _first_signal_at = now
-            request_stop(f"interrupted by {name}")
-            print(f"{name}: stopping after this step", file=sys.stderr, flush=True)
-        return
-    if now - _first_signal_at < ABORT_WINDOW:
-        print(f"second signal ({name}): aborting at once; resume.pt keeps the last saved checkpoint",
-              file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(f"aborted by a second signal ({name})")
-    _first_signal_at = now
-    request_stop(f"interrupted by {name}")
-    print(f"{name}: stopping after this step (send it again within {ABORT_WINDOW:g} s to abort at once)",
-          file=sys.stderr, flush=True)
-
-
-def _data_parallel() -> bool:
-    """A rank of a torchrun job (as frontier.distributed.init_world reads it). A Ctrl-C reaches torchrun
-    and its ranks, and torchrun passes it on again; it kills the ranks itself after its shutdown timeout."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def raise_if_stopped() -> None:
-    """Raises again a stop that came outside the training loop. Python only prints a KeyboardInterrupt
-    raised inside a weakref callback or a __del__ and goes on, which a signal during set-up can land
-    in: set-up's long steps (each chunk of a cache build) and the loop's start call this."""
-    reason = _stop_reason
-    if reason is not None and _handling and not _deferring and not _ending:
-        raise KeyboardInterrupt(reason)
-
-
-def closing() -> None:
-    """The run's end is being recorded: from here on a signal waits for those writes (see _on_signal)."""
-    global _ending
-    _ending = True
-
-
-@contextlib.contextmanager
-def recording_end() -> Iterator[None]:
-    """Around the records of a launch that ends before `Lifecycle.end` can (one stopped or refused while
-    it started): a signal inside waits for them, as after `closing`, where a second Ctrl-C had cut them
-    short and left the MLflow run RUNNING. The stop it asks for stays asked (see raise_if_stopped)."""
-    global _ending
-    before, _ending = _ending, True
-    try:
-        yield
-    finally:
-        _ending = before
-
-
-@contextlib.contextmanager
-def signals_handled() -> Iterator[None]:
-    """SIGTERM and SIGINT go through `_on_signal` for the duration of one train() call, each unless it
-    is ignored: a shell starts a background job (`cmd &` in a script) with SIGINT ignored, so that a
-    Ctrl-C meant for the foreground does not reach it, and it stays so for the whole run."""
-    _reset()
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may install handlers; request_stop still works
-        return
-    global _handling
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable_unless_stopped(sys.unraisablehook)
-    _handling = True
-    try:
-        yield
-    finally:
-        _handling = False
-        sys.unraisablehook = previous_hook
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _unraisable_unless_stopped(hook):
-    """Python prints a traceback for a KeyboardInterrupt that `_on_signal` raised inside a weakref
-    callback or a __del__, and goes on; that stop is not lost (raise_if_stopped raises it again), so
-    it is not printed either."""
-    def unraisable(info) -> None:
-        if not (isinstance(info.exc_value, KeyboardInterrupt) and _stop_reason is not None):
-            hook(info)
-
-    return unraisable
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Inside: a signal only sets the stop flag (the training loop)."""
-    global _deferring
-    raise_if_stopped()  # a stop during set-up whose KeyboardInterrupt was swallowed trains no step
-    _deferring = True
-    try:
-        yield
-    finally:
-        _deferring = False
 
 
 # -----------------------------------------------------------------------------
@@ -334,7 +170,7 @@ def for_run(run) -> list:
     found = [MetricsFile.for_run(run)]  # drops what a killed launch logged after its resume point
     try:
         if run.config.tracking.enabled:
-            from frontier.tracking import MlflowObserver
+            from frontier.mlflow_observer import MlflowObserver
 
             found.append(MlflowObserver.for_run(run))
         if run.config.trial.number is not None:
@@ -354,9 +190,6 @@ def for_run(run) -> list:
     return found
 
 
-def not_started(err: BaseException) -> tuple[str, str]:
-    """The status and error of a launch that a signal or a failure stopped before its first step."""
-    return "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"{NOT_STARTED}{error_line(err)}"
 
 
 def record_not_started(run_dir: Path, summary: dict, err: BaseException) -> None:
@@ -424,46 +257,3 @@ def clean_numbers(summary: dict) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             summary[key] = None
 
-
-def write_json(path: Path, content: dict) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(content, indent=2, default=str, allow_nan=False)))
-
-
-def atomic_write(path: Path, write) -> None:
-    """`write(tmp)` then rename over `path`; on failure no .tmp is left and one sentence names the file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with writing(path, tmp):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def writing(path: Path, *temporaries: Path) -> Iterator[None]:
-    """A failed write (full disk, unwritable folder) becomes RunWriteError naming `path`; whatever
-    stops the write (a second signal too), the half-written `temporaries` are removed."""
-    try:
-        yield
-    except BaseException as err:
-        for tmp in temporaries:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        if not isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise
-        stop = interrupted_by(err)
-        if stop is not None:  # a signal inside torch.save's write to the file: a stop, not a failed write
-            raise stop
-        raise RunWriteError(f"cannot write {path}: {write_failure(err)}") from None
-
-
-def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt an error was raised while handling: torch.save writing to a Python file turns
-    one raised inside the file's write() into "[enforce fail ...] unexpected pos", which had ended a
-    stopped run FAILED ("cannot write final.pt") rather than KILLED."""
-    return next((cause for cause in raised_from(err) if isinstance(cause, KeyboardInterrupt)), None)
-
-
-def write_failure(err: BaseException) -> str:
-    """The OS's reason ("No space left on device") where the error or one it was raised from has one."""
-    code = next((cause.errno for cause in raised_from(err) if isinstance(cause, OSError) and cause.errno), None)
-    return os.strerror(code) if code else error_line(err, named=False)

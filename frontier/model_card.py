@@ -21,7 +21,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier import paths
-from frontier.cli import check_command_line, command, one_sentence
+from frontier.cli import command
+from frontier.compose import check_command_line, one_sentence
 from frontier.config import Config, ConfigError, register_schemas, to_config
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers

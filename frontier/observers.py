@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 
 from frontier.config import ConfigError
+from frontier.files import atomic_write
 
 
 class StopRun(Exception):
@@ -114,8 +115,6 @@ class MetricsFile:
             f.write(json.dumps(record) + "\n")
 
     def _keep_until(self, step: int) -> None:
-        from frontier.lifecycle import atomic_write  # which imports this module
-
         try:
             kept = [r for r in read_records(self.path) if r["step"] <= step and "final" not in r]
         except OSError as err:  # a folder in its place, a failing disk: the resume is refused, nothing written

@@ -13,9 +13,11 @@ The config group `paths` (conf/paths/default.yaml) shows the resolved values; `p
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -123,3 +125,18 @@ def if_resumed(resume, then, otherwise):
 OmegaConf.register_new_resolver("frontier.home", lambda: str(home()), replace=True)
 OmegaConf.register_new_resolver("frontier.data", lambda: str(data()), replace=True)
 OmegaConf.register_new_resolver("frontier.if_resumed", if_resumed, replace=True)
+
+
+def unwritable(path: Path) -> tuple[Path, str] | None:
+    """None when the directory `path` can be created or written to; else its nearest existing parent
+    and why not. Found out by a folder made and removed again there (permission bits alone mislead root)."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return existing, os.strerror(errno.ENOTDIR)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".frontier-check-", dir=existing))
+        return None
+    except OSError as err:
+        return existing, err.strerror or type(err).__name__

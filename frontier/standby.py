@@ -18,7 +18,7 @@ import sys
 def wait_for_trial() -> dict | None:
     import frontier.train  # noqa: F401  Hydra and the command line
     import frontier.trainer  # noqa: F401  torch and the model
-    import frontier.tracking  # noqa: F401  MLflow
+    import frontier.mlflow_observer  # noqa: F401  MLflow
     import frontier.trial  # noqa: F401  Optuna
 
     line = sys.stdin.readline()

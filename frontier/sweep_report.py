@@ -26,7 +26,8 @@ import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from frontier import paths  # noqa: E402
-from frontier.cli import check_writable_path, command, print_help_if_asked  # noqa: E402
+from frontier.cli import command, print_help_if_asked  # noqa: E402
+from frontier.compose import check_writable_path  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.timing import PARTS as TIME_PARTS  # noqa: E402
 from frontier.study import (all_drivers_ended, damaged_journal, is_rdb, open_storage, safe_storage,  # noqa: E402
@@ -402,7 +403,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
         return None
     from mlflow import MlflowClient
 
-    from frontier.tracking import MLFLOW_STATUS  # and its settings: a store that is down fails fast
+    from frontier.store import MLFLOW_STATUS  # and its settings: a store that is down fails fast
 
     client = MlflowClient(tracking_uri=uri)
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")

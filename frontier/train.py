@@ -16,7 +16,7 @@ from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from frontier import cli, paths, sizing
+from frontier import cli, compose, paths, sizing
 from frontier.config import ConfigError, project_path, to_config
 
 
@@ -59,13 +59,13 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
         resolve_splits(OmegaConf.to_object(cfg.data))
     if cfg.data.tokenizer_path:
         given_tokenizer(OmegaConf.to_object(cfg.data))
-    cli.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
+    compose.check_writable_path("data.cache_dir", project_path(cfg.data.cache_dir))
     from frontier.trainer import check_runnable  # imports torch: after the checks that need none
 
     check_runnable(to_config(cfg))  # the device, kernels and CORE bundle this machine must have
     # a sweep's driver opens its store whatever tracking.required says, after its study is created
     if cfg.tracking.enabled and (cfg.tracking.required or cfg.get("sweep") is not None):
-        from frontier.tracking import check_store_folder, probe_store
+        from frontier.store import check_store_folder, probe_store
 
         tracking = OmegaConf.to_object(cfg.tracking)
         try:

@@ -414,7 +414,7 @@ def resume_point(resume: str, tracking_cfg, mmap: bool = False) -> tuple[DictCon
     tensor read."""
     run_dir = resume_location(resume)
     if run_dir is None:
-        from frontier.tracking import run_dir_of
+        from frontier.store import run_dir_of
 
         run_dir = run_dir_of(tracking_cfg, resume, "resume")
     path = run_dir / "resume.pt"

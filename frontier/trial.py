@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import threading
 
 import optuna
@@ -21,6 +20,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 
 from frontier.config import ConfigError
 from frontier.observers import StopRun
+from frontier.stopping import request_stop
 from frontier.study import (DRIVER_ENV, Process, build_pruner, driver_alive, end_trial,
                             open_storage, outcome, safe_storage, study_storage)
 
@@ -127,11 +127,6 @@ class TrialReporter:
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
-        try:
-            from frontier.lifecycle import request_stop
-        except ImportError:  # no lifecycle module: a signal ends the run the same way
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
         request_stop(reason)
 
     # -- the sink hooks ---------------------------------------------------------------------------

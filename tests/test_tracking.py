@@ -27,7 +27,7 @@ import sqlalchemy.exc
 from omegaconf import OmegaConf
 from sqlalchemy.exc import SADeprecationWarning
 
-from frontier import leaderboard, tracking
+from frontier import leaderboard, mlflow_observer, tracking
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
@@ -455,7 +455,7 @@ def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut
         run_dir = tmp_path / str(len(calls))
         run_dir.mkdir()
         (run_dir / "metrics.jsonl").write_text("")
-        monkeypatch.setattr(tracking, "_end_calls", lambda *args, calls=calls: calls)
+        monkeypatch.setattr(mlflow_observer, "_end_calls", lambda *args, calls=calls: calls)
         landed.clear()
         observer = tracking.MlflowObserver(client, store, run_id, run_dir,
                                            SimpleNamespace(log_checkpoint=False, flush_seconds=0.5))

@@ -13,101 +13,36 @@ parent run.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
 
 import optuna
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
-from optuna.trial import FrozenTrial, TrialState
 
-from frontier.cli import Composer, check_run, parse_override, unwritable
+from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
-from frontier.lifecycle import TERMINAL, earlier_records
-from frontier.study import (DRIVER_ENV, Process, ask_lock, build_pruner, damaged_journal, end_trial, is_rdb,
-                            live_drivers, open_storage, outcome, read_summary, record_driver, safe_storage,
-                            settle_orphans, study_storage, trial_seed)
+from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
                                                      search_running, seeds_per_configuration)
-from hydra_plugins.frontier_sweeper._launch import JobWatch, LaunchedTrials, is_builtin
+from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
+from hydra_plugins.frontier_sweeper._parent_run import ParentRun, TrackingStartError
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
+from hydra_plugins.frontier_sweeper._storage import EVAL_TOKENS, StudyStorage
+from hydra_plugins.frontier_sweeper._workers import (Slot, SweepDirTaken, SweepDirUnwritable, WAIT, Workers,
+                                                     device_slots, from_storage, signal_session, trainer_command)
+from hydra_plugins.frontier_sweeper._workers import describe_exit  # noqa: F401  where the tests import it from
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Slot:
-    """Where one worker runs its trials: the environment that pins the trial's process."""
-
-    label: str
-    env: dict[str, str]
-
-
-def _visible_ids(variable: str, count: int) -> list[str]:
-    """Device ids this process may use: an existing restriction, else all of them."""
-    value = os.environ.get(variable, "").strip()
-    if not value:
-        return [str(i) for i in range(count)]
-    ids = []
-    for part in value.split(","):
-        first, _, last = part.partition("-")  # NEURON_RT_VISIBLE_CORES also takes ranges: 0-3
-        ids += [str(i) for i in range(int(first), int(last or first) + 1)] if first.isdigit() else [part]
-    return ids
-
-
-def device_slots(device: str, n_jobs: int, per_trial: int = 1) -> list[Slot]:
-    """One slot per parallel trial: its own `per_trial` GPUs or NeuronCores (a torchrun job when more
-    than one), or on CPU its share of the cores (no more threads than OMP_NUM_THREADS, where set)."""
-    import torch
-
-    from frontier.device import neuron_available
-
-    if ":" in device:
-        raise ConfigError(f"device={device!r} is not allowed in a sweep: each trial gets a device of its "
-                          "own, so use device=auto, cuda or neuron (restrict them with "
-                          "CUDA_VISIBLE_DEVICES or NEURON_RT_VISIBLE_CORES)")
-    kind = device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
-    if kind == "cuda":
-        variable, ids = "CUDA_VISIBLE_DEVICES", _visible_ids("CUDA_VISIBLE_DEVICES", torch.cuda.device_count())
-    elif kind == "neuron":
-        count_cores = getattr(torch.neuron, "device_count", None) if neuron_available() else None
-        count = count_cores() if count_cores else 0  # else name them in NEURON_RT_VISIBLE_CORES
-        variable, ids = "NEURON_RT_VISIBLE_CORES", _visible_ids("NEURON_RT_VISIBLE_CORES", count)
-    else:
-        ids = [str(i) for i in sorted(os.sched_getaffinity(0))]
-        if n_jobs * per_trial > len(ids):
-            raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} CPU "
-                              f"cores for parallel CPU trials of sweep.devices_per_trial={per_trial} "
-                              f"processes, so at most {len(ids) // per_trial}")
-        threads = len(ids) // (n_jobs * per_trial)  # each process its share of the cores,
-        cap = os.environ.get("OMP_NUM_THREADS", "")  # at most what the environment allows
-        if cap.isdigit() and int(cap) > 0:
-            threads = min(threads, int(cap))
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        return [Slot(f"cpu ({threads} threads)", env) for _ in range(n_jobs)]
-    if n_jobs * per_trial > len(ids):
-        raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} {kind} "
-                          f"device(s) ({variable}={','.join(ids) or 'none'}), so at most "
-                          f"{len(ids) // per_trial} trials of sweep.devices_per_trial={per_trial}")
-    groups = [",".join(ids[i * per_trial:(i + 1) * per_trial]) for i in range(n_jobs)]
-    return [Slot(f"{kind} {variable}={group}", {variable: group}) for group in groups]
 
 
 class GridSampler(optuna.samplers.GridSampler):
@@ -190,17 +125,6 @@ def pruner_settings(sweep: SweepConfig, every_fraction: float) -> dict:
             "reduction_factor": sweep.reduction_factor}
 
 
-def trainer_command(per_trial: int = 1) -> list[str]:
-    """The command that started this sweep, for its trials: `python -m frontier.train`, under
-    torchrun when a trial owns several devices."""
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    program = ["-m", spec.name] if spec is not None else [sys.argv[0]]
-    if per_trial > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_trial}",
-                *program]
-    return [sys.executable, *program]
-
-
 def default_trial_timeout(budget) -> float:
     """How long a trial may run: its charged budget, the start-up time forgiven up to
     budget.startup_cap_seconds, and an allowance for what is never charged (checkpoint and final
@@ -208,18 +132,7 @@ def default_trial_timeout(budget) -> float:
     return budget.seconds + budget.startup_cap_seconds + max(600.0, 0.5 * budget.seconds)
 
 
-def describe_exit(returncode: int, log_path: Path) -> str:
-    """Why a trial's process ended without telling the study. A kill by this driver never gets
-    here (it records its reason first), so an unexplained SIGKILL is most likely the kernel's."""
-    if returncode < 0:
-        name = signal.Signals(-returncode).name
-        return f"killed by {name}" + (" (not by its driver: by hand, or by the kernel when out of host "
-                                      "memory?)" if name == "SIGKILL" else "")
-    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit code {returncode}"
-
-
-class Sweep:
+class Sweep(StudyStorage, ParentRun, Workers):
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config = config
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
@@ -319,309 +232,11 @@ class Sweep:
         override, why = culprit
         return f"{why} (from the search space {self.written[override.key_or_group]})"
 
-    def open_study(self) -> optuna.Study:
-        journal = None if is_rdb(self.storage_spec) else Path(self.storage_spec).expanduser()
-        damaged = None if journal is None else damaged_journal(self.storage_spec)
-        if damaged:  # Optuna would append to it, then fail on reading it back
-            raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: {damaged}; give another file")
-        try:
-            # kept for ask_lock: the study wraps an RDBStorage in Optuna's cache, which has no engine
-            self.storage = open_storage(self.storage_spec, self.sweep.heartbeat_interval, self.sweep.grace_period)
-            self.storage.get_all_studies()
-        except Exception as err:
-            raise ConfigError(f"sweep.storage={safe_storage(self.storage_spec)!r} is not reachable "
-                              f"({error_line(err)}): give a reachable "
-                              "RDB URL (postgresql://user@host:5432/db) or a journal file path") from None
-        if journal is not None:  # the journal's lock files are made beside it, even to read it
-            found = unwritable(journal.resolve().parent)
-            if found:
-                raise ConfigError(f"sweep.storage={self.storage_spec!r} is not allowed: a journal's lock files "
-                                  f"are made beside it, and {found[0]} is not a writable directory ({found[1]})")
-        # under the study's lock, and this driver recorded in it: a second driver starting at the same
-        # moment with other overrides is refused, not let in to overwrite them
-        new_journal = journal is not None and journal.stat().st_size == 0
-        try:
-            with ask_lock(self.storage_spec, self.storage, self.study_name):
-                study = self.load_or_create_study()
-                record_driver(study, self.driver)
-        except BaseException as err:  # what this driver made for a sweep refused before it ran is taken back
-            with contextlib.suppress(OSError):  # gone meanwhile: the error that brought us here is the one to tell
-                if new_journal and journal.stat().st_size == 0:
-                    journal.unlink()
-            if self.claimed:
-                (self.sweep_dir / STUDY_MARKER).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    self.sweep_dir.rmdir()  # if it made it
-            if isinstance(err, OSError):  # a full disk: a journal write that failed was taken back (JournalFile)
-                raise ConfigError(f"sweep.storage={self.storage_spec!r} cannot be written ({error_line(err)}); "
-                                  "free space there or give another storage") from None
-            raise
-        return study
-
-    def load_or_create_study(self) -> optuna.Study:
-        held = self.trial_folders()  # before the trials are counted: a folder is made after its trial
-        if self.study_name in {s.study_name for s in self.storage.get_all_studies()}:
-            # checked before anything is written: a refused command leaves the study as it was
-            study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
-                                      pruner=build_pruner(**self.pruner))
-            self.objective.check_study(study)
-            if study.trials or live_drivers(study, self.sweep.grace_period):
-                self.check_same_sweep(study)
-            self.check_sweep_dir(held, len(study.get_trials(deepcopy=False)))
-            self.claim_sweep_dir()
-        else:  # load_if_exists: on a database ask_lock cannot lock, another driver may create it meanwhile
-            self.check_sweep_dir(held, 0)
-            self.claim_sweep_dir()
-            study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
-                                        pruner=build_pruner(**self.pruner), directions=self.objective.directions,
-                                        load_if_exists=True)
-            self.objective.check_study(study)
-        study.set_user_attr("sweep", {"name": self.sweep.name, "params": dict(self.sweep.params),
-                                      "space": self.shared()["the search space"],
-                                      "sampler": self.sweep.sampler, "seed": self.sweep.seed})
-        self.check_confirmable(study)
-        self.eval_tokens = self.study_eval_tokens(study)
-        study.set_user_attr("eval_tokens", self.eval_tokens)
-        study.set_user_attr("pruner", self.pruner)
-        study.set_user_attr("objective", self.objective.describe())
-        study.set_user_attr("overrides", self.fixed)
-        study.set_user_attr("every_fraction", self.config.eval.every_fraction)
-        study.set_user_attr("budget_seconds", self.config.budget.seconds)
-        study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
-        study.set_user_attr("sweep_dir", str(self.sweep_dir))
-        return study
-
-    def check_confirmable(self, study: optuna.Study) -> None:
-        """A command that would only confirm (its search ended) needs a finished search trial to confirm."""
-        if not self.confirm_seeds or "confirm_plan" in study.user_attrs or not self.search_ended(study):
-            return
-        if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
-            raise ConfigError(f"sweep.confirm={self.confirm_seeds} is not allowed for sweep.study_name="
-                              f"{self.study_name!r}: its search has ended with no finished trial, so there is "
-                              "no winner to confirm; raise sweep.n_trials to search on, or add sweep.confirm=0")
-
-    def study_eval_tokens(self, study: optuna.Study) -> dict:
-        """eval.final_tokens and eval.checkpoint_tokens of every trial: the study's own once a driver set
-        them (a study compares its trials on one validation set), else the command's, else sized here
-        once for the command's configuration on a trial's device and threads (frontier.sizing)."""
-        given = {key: self.baseline.eval[key] for key in EVAL_TOKENS if self.baseline.eval[key] is not None}
-        recorded = study.user_attrs.get("eval_tokens")
-        if recorded:
-            for key, value in given.items():
-                if recorded.get(key) != value:
-                    raise ConfigError(f"eval.{key}={value} is not allowed for sweep.study_name={self.study_name!r}: "
-                                      f"its trials are evaluated with eval.{key}={recorded.get(key)}, and a study "
-                                      "compares its trials on one validation set; drop the override or choose "
-                                      "another sweep.study_name")
-            return recorded
-        if len(given) == len(EVAL_TOKENS):
-            return {**given, "how": "given"}
-        final, checkpoint, why = self.sized_eval_tokens()
-        final = given.get("final_tokens", final)
-        return {"final_tokens": final, "checkpoint_tokens": given.get("checkpoint_tokens", min(checkpoint, final)),
-                "how": why}
-
-    def sized_eval_tokens(self) -> tuple[int, int, str]:
-        import torch
-
-        from frontier.config import to_config
-        from frontier.device import resolve_device
-        from frontier.model import Ops
-        from frontier.trainer import eval_sizing
-
-        raw = self.baseline.copy()
-        with open_dict(raw):
-            del raw["hydra"]  # the run's keys only
-        config = to_config(raw)
-        device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
-        threads = torch.get_num_threads()
-        slot_threads = self.slots[0].env.get("OMP_NUM_THREADS")  # a CPU trial's share of the cores
-        try:
-            if slot_threads:
-                torch.set_num_threads(int(slot_threads))
-            return eval_sizing(config, device, Ops(config.kernel, device.kind))
-        finally:
-            torch.set_num_threads(threads)
-
-    def eval_overrides(self) -> list[str]:
-        """What each trial adds for its evaluation, where the command's overrides do not say it."""
-        given = {override.split("=", 1)[0].lstrip("+~") for override in self.fixed}
-        return [f"eval.{key}={self.eval_tokens[key]}" for key in EVAL_TOKENS if f"eval.{key}" not in given]
-
-    def trial_folders(self) -> list[int]:
-        """The numbers of the folders in hydra.sweep.dir where a trial left its records."""
-        if not self.sweep_dir.is_dir():
-            return []
-        return sorted(int(path.name) for path in self.sweep_dir.iterdir()
-                      if path.name.isdigit() and path.is_dir() and earlier_records(path))
-
-    def unrecorded_parent_run(self, tracking, cfg) -> str | None:
-        """The parent run a driver of this study that is gone made without recording it in the study."""
-        recorded = {key.removeprefix("driver:") for key in
-                    self.study._storage.get_study_system_attrs(self.study._study_id) if key.startswith("driver:")}
-        gone = recorded - {str(driver) for driver in live_drivers(self.study, self.sweep.grace_period)}
-        if not gone:
-            return None
-        try:
-            return tracking.orphaned_parent_run(cfg, {"sweep.study": self.study_name, tracking.RUN_KIND_TAG: "sweep"},
-                                                gone)
-        except Exception:  # the store failed: start_parent_run meets it too, and says so
-            return None
-
-    def check_sweep_dir(self, held: list[int], trials: int) -> None:
-        """Trial N writes SWEEP_DIR/N: a folder there with records and a number this study has not
-        reached belongs to another study's sweep, whose outputs this one would write over."""
-        theirs = [number for number in held if number >= trials]
-        if theirs:
-            shown = ", ".join(str(self.trial_dir(n)) for n in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
-            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: another sweep's trials left their "
-                              f"outputs there ({shown}), which the trials of study {self.study_name!r} would write "
-                              "over; give this sweep a directory of its own")
-
-    def claim_sweep_dir(self) -> None:
-        """SWEEP_DIR/.study names the study whose trials it holds, made by a link, which fails where one
-        exists: of two studies' sweeps started into one folder at once, both passed check_sweep_dir, and
-        the first wrote over the other's trial folders."""
-        marker, mine = self.sweep_dir / STUDY_MARKER, f"{self.study_name}\n"
-        try:
-            self.sweep_dir.mkdir(parents=True, exist_ok=True)
-            made = self.sweep_dir / f"{STUDY_MARKER}.{os.getpid()}"
-            made.write_text(mine)
-            try:
-                os.link(made, marker)
-                self.claimed = True
-            except FileExistsError:
-                pass
-            finally:
-                made.unlink()
-            theirs = marker.read_text()
-        except OSError as err:
-            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: it cannot be written "
-                              f"({error_line(err)})") from None
-        if theirs != mine:
-            raise ConfigError(f"hydra.sweep.dir={self.sweep_dir} is not allowed: it holds the trials of study "
-                              f"{theirs.strip()!r}, which the trials of study {self.study_name!r} would write over; "
-                              "give this sweep a directory of its own")
-
-    def shared(self) -> dict:
-        """What every driver of one study must agree on: another search space, sampler, seed or pruner
-        would change the trials the first driver still runs (its pruner, repeated grid points)."""
-        return {"the overrides": _comparable(self.fixed),
-                "the search space": {key: str(dist) for key, dist in self.space.items()},
-                "sweep.sampler": self.sweep.sampler, "sweep.seed": self.sweep.seed, "sweep.pruner": self.pruner}
-
-    def check_same_sweep(self, study: optuna.Study) -> None:
-        """A driver joining a study whose trials ran, or run, must run the same sweep (what the study
-        did not record is not compared)."""
-        attrs = study.user_attrs
-        ran = attrs.get("sweep", {})
-        theirs = {"the overrides": _comparable(attrs["overrides"]) if "overrides" in attrs else _UNSET,
-                  "the search space": ran.get("space", _UNSET), "sweep.sampler": ran.get("sampler", _UNSET),
-                  "sweep.seed": ran.get("seed", _UNSET), "sweep.pruner": attrs.get("pruner", _UNSET)}
-        for what, mine in self.shared().items():
-            if theirs[what] is not _UNSET and theirs[what] != mine:
-                raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials run "
-                                  f"with {what} {theirs[what]}, this command has {mine}; choose another "
-                                  "sweep.study_name")
-
-    # -- MLflow: one parent run per study, which every driver continues; trials nest under it ------
-
-    def start_tracking(self) -> None:
-        if not self.config.tracking.enabled:
-            return
-        try:
-            from frontier import tracking
-        except ImportError:
-            log.warning("frontier.tracking is not available: this sweep is not recorded in MLflow")
-            return
-        cfg = OmegaConf.to_object(self.config.tracking)
-        try:
-            tracking.ensure_store(tracking.tracking_uri(cfg))  # once, before parallel trials race to create it
-        except ConfigError as err:  # checked with the command line, but it failed since
-            raise TrackingStartError(str(err)) from None
-        params = {"study": self.study_name, "storage": safe_storage(self.storage_spec),
-                  "sampler": self.sweep.sampler, "seed": self.sweep.seed, "pruner": self.sweep.pruner,
-                  "n_trials": self.n_trials, "n_jobs": self.sweep.n_jobs, "timeout": self.sweep.timeout,
-                  "overrides": " ".join(self.fixed)}
-        params.update({f"space.{key}": str(dist) for key, dist in self.space.items()})
-        # sweep.driver names this driver's run, should a signal inside create_run leave it without its id
-        tags = {"sweep.study": self.study_name, "sweep.preset": self.sweep.name, "sweep.driver": str(self.driver)}
-        uri = tracking.tracking_uri(cfg)
-        with self.locked():  # two drivers starting together must not create two parent runs
-            attrs = self.study.user_attrs
-            existing = attrs.get("mlflow_run_id") if attrs.get("mlflow_tracking_uri") == uri else None
-            if existing is None:  # one its driver made but never recorded (killed as it made it) is continued
-                existing = self.unrecorded_parent_run(tracking, cfg)
-            opened = {}
-            try:
-                tracking.start_parent_run(cfg, f"sweep-{self.study_name}", params, tags, run_id=existing,
-                                          opened=opened)
-            except Exception as err:  # the store failed half-way: the sweep stops, its end still recorded
-                raise TrackingStartError(f"tracking.uri={uri} could not start the sweep's MLflow run "
-                                         f"({tracking.store_error_line(err)})") from err
-            finally:  # also when a signal broke the start off: the sweep's end then ends the run KILLED,
-                # and the study's next driver reopens it (a run left unnamed here stayed RUNNING for good)
-                self.parent_run_id = opened.get("run_id")
-                if self.parent_run_id is not None:
-                    self.study.set_user_attr("mlflow_run_id", self.parent_run_id)
-                    self.study.set_user_attr("mlflow_tracking_uri", uri)
-                    # an earlier driver's status is not this one's: killed before it sets its own,
-                    # the run is ended KILLED by sweep_report
-                    self.study.set_user_attr("mlflow_run_status", None)
-
-    def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
-        """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
-        self.close_trial_runs([])  # the runs the store could not close before
-        try:
-            with self.locked():
-                record_driver(self.study, self.driver, ended=True)
-                others = [d for d in live_drivers(self.study, self.sweep.grace_period) if d != self.driver]
-                if self.parent_run_id is not None and not others:  # sweep_report ends the run so if MLflow fails now
-                    self.study.set_user_attr("mlflow_run_status", status)
-        except Exception as err:  # the study's storage went away: its other drivers cannot be known
-            log.warning(f"could not record this driver's end in the study ({store_error_line(err)})"
-                        + (f"; its MLflow run is ended {status} here (a later driver of the study reopens it)"
-                           if self.parent_run_id is not None else ""))
-            others = []  # ended here rather than left RUNNING with nobody to end it
-        if self.parent_run_id is None:
-            return
-        if others:
-            log.info(f"the study's MLflow run goes on: {len(others)} other driver(s) still run trials")
-            return
-        from frontier import tracking
-
-        try:
-            tracking.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
-                                    metrics, artifacts)
-        except Exception as err:
-            log.warning(f"could not end the sweep's MLflow run {self.parent_run_id} ({error_line(err)}); "
-                        f"once the tracking store answers, {self.redo()} attaches the report and ends it "
-                        f"{status}")
-
-    def close_trial_runs(self, trials: list[FrozenTrial]) -> None:
-        """MLflow runs of FAIL trials whose process died before it could end them: KILLED. A run the
-        store could not close (it was down) is tried again with the next ones and at the sweep's end."""
-        if not self.config.tracking.enabled:
-            return
-        from frontier import tracking
-
-        with self.closing:
-            self.unclosed.update(t.user_attrs["mlflow_run_id"] for t in trials
-                                 if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id"))
-            if not self.unclosed:
-                return
-            failed = tracking.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED")
-            for run_id, error in failed.items():
-                log.warning(f"could not close the MLflow run {run_id} yet (tried again later): {error}")
-            self.unclosed = set(failed)
-
     @contextlib.contextmanager
     def locked(self):
         """This process's lock, then the study's lock across processes and machines."""
         with self.lock, ask_lock(self.storage_spec, self.storage, self.study_name):
             yield
-
-    # -- the workers ----------------------------------------------------------------------------
 
     def next_trial(self) -> optuna.Trial | None:
         with self.locked():
@@ -689,213 +304,6 @@ class Sweep:
         config, seed = found
         self.study.enqueue_trial(config["params"], user_attrs={"confirm": config["label"], "confirm_seed": seed})
         return self.study.ask({key: self.space[key] for key in config["params"]})
-
-    def worker(self, slot: Slot, done: threading.Event) -> None:
-        try:
-            while not self.stopping.is_set():
-                trial = self.next_trial()
-                if trial is None:
-                    return
-                if trial is WAIT:  # confirmation waits for the running trials
-                    self.stopping.wait(2.0)
-                    continue
-                self.run_trial(trial, slot)
-        except BaseException as err:  # e.g. the storage went away: stop the sweep, say why in main
-            if isinstance(err, (OSError, SweepDirTaken, SweepDirUnwritable)) or from_storage(err):  # not a bug
-                log.error(f"worker on {slot.label} stopped: {store_error_line(err)}")
-            else:  # a bug: its traceback helps
-                log.exception(f"worker on {slot.label} stopped")
-            self.errors.append(err)
-            self.stopping.set()
-        finally:
-            done.set()
-
-    def trial_dir(self, number: int) -> Path:
-        """Where trial `number` runs: <hydra.sweep.dir>/N."""
-        return self.sweep_dir / str(number)
-
-    def run_trial(self, trial: optuna.Trial, slot: Slot) -> None:
-        run_dir = self.trial_dir(trial.number)
-        with self.starting(trial):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            found = earlier_records(run_dir)
-            if found:  # a sweep of another study writes here since this one started: neither overwritten nor read
-                raise SweepDirTaken(f"{run_dir} holds another run's records ({', '.join(found)}), so trial "
-                                    f"{trial.number} did not start there; give each sweep a hydra.sweep.dir of "
-                                    "its own")
-            params = [as_override(key, value) for key, value in trial.params.items()]
-            overrides = self.fixed + self.eval_overrides() + params
-            confirm = trial.user_attrs.get("confirm")
-            name = " ".join([f"trial-{trial.number}", *(f"{key}={_short(value)}" for key, value in trial.params.items())])
-            if confirm is not None:  # the same configuration with a seed of its own
-                seed = trial.user_attrs["confirm_seed"]
-                overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "seed"] + [f"seed={seed}"]
-                name = f"trial-{trial.number} confirm {confirm} seed={seed}"
-            extra = [as_override("trial.study", self.study_name), as_override("trial.storage", self.storage_spec),
-                     f"trial.number={trial.number}", f"trial.heartbeat_interval={self.sweep.heartbeat_interval}",
-                     f"trial.grace_period={self.sweep.grace_period}", as_override("hydra.run.dir", str(run_dir)),
-                     *search_path_override(self.config)]
-            if self.parent_run_id is not None:
-                extra += [f"tracking.parent_run_id={self.parent_run_id}", as_override("tracking.run_name", name)]
-            for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
-                               "device": slot.label, "driver": str(self.driver)}.items():
-                trial.set_user_attr(key, value)
-            log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}"
-                     + (f" (confirmation: {confirm}, seed={seed})" if confirm is not None else ""))
-            started = time.monotonic()
-            self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
-            if self.launched is not None:
-                (run_dir / "output.log").write_text("")
-        if self.launched is not None:  # a job of the Hydra launcher runs the trial (_launch.py)
-            watch = JobWatch(self.study, trial, self.trial_timeout, self.sweep.grace_period,
-                             self.sweep.heartbeat_interval)
-            returncode, reason = self.launched.run(overrides + extra, trial.number, run_dir,
-                                                   {**slot.env, DRIVER_ENV: str(self.driver)}, watch)
-            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, reason)
-            return
-        with self.starting(trial):
-            process = self.launch(slot, overrides + extra, run_dir / "output.log")
-        self.processes[process] = trial
-        try:
-            trial.set_user_attr("process", str(Process.this(process.pid)))
-            returncode = self.supervise(trial, process, started)
-            self.finish_trial(trial, returncode, run_dir, time.monotonic() - started, self.killed.get(process))
-        finally:
-            if process.poll() is None:  # the storage went away meanwhile: no trial goes on unsupervised
-                with contextlib.suppress(Exception):  # the error that got here is the one to report
-                    self.stop_trial(trial, process, "its driver stopped on an error", signal.SIGTERM)
-                try:  # SIGTERM: the trial writes resume.pt and ends its MLflow run KILLED
-                    process.wait(timeout=self.sweep.grace_period)
-                except subprocess.TimeoutExpired:
-                    signal_session(process, signal.SIGKILL)
-                    process.wait()
-            self.processes.pop(process, None)
-
-    def launch(self, slot: Slot, argv: list[str], log_path: Path) -> subprocess.Popen:
-        """The trial's process: the slot's standby process (frontier/standby.py: Python started and the
-        libraries imported while the slot's last trial trained) given the trial's command line, else a
-        new `python -m frontier.train`. Then the slot's next standby process starts, if a trial may follow."""
-        log_path.write_text("")  # the trial's output, whichever process writes it
-        process = self.standby.pop(id(slot), None)
-        if process is not None:
-            try:
-                process.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
-                process.stdin.close()
-            except OSError:  # it died waiting (killed by hand, out of memory): a new process runs the trial
-                log.warning(f"the standby process {process.pid} on {slot.label} is gone; starting the trial anew")
-                signal_session(process, signal.SIGKILL)
-                process.wait()
-                process = None
-        if process is None:
-            with open(log_path, "a") as out:
-                process = self.start_process(slot, self.command + argv, stdout=out)
-        if self.sweep.devices_per_trial == 1 and self.more_trials():  # torchrun starts its own processes
-            number = next(i for i, other in enumerate(self.slots) if other is slot)
-            with contextlib.suppress(OSError), open(self.sweep_dir / f".standby-{number}.log", "a") as out:  # every standby of the slot, in turn
-                self.standby[id(slot)] = self.start_process(slot, [sys.executable, "-m", "frontier.standby"], stdout=out,
-                                                            stdin=subprocess.PIPE, text=True)
-        return process
-
-    def more_trials(self) -> bool:
-        """Whether a trial may follow the ones started: a standby process would wait in vain otherwise."""
-        if self.stopping.is_set():
-            return False
-        if not self.search_ended(self.study):
-            return True
-        plan = self.study.user_attrs.get("confirm_plan")
-        return bool(self.confirm_seeds) and (plan is None or next_run(self.study, plan) is not None)
-
-    def start_process(self, slot: Slot, command: list[str], **how) -> subprocess.Popen:
-        """A session of its own: Ctrl-C reaches the driver only, which stops each trial once; the trial
-        learns its driver from the environment, and stops when the driver is gone."""
-        return subprocess.Popen(command, stderr=subprocess.STDOUT, env={**os.environ, **slot.env, DRIVER_ENV: str(self.driver)},
-                                start_new_session=True, **how)
-
-    def end_standby(self) -> None:
-        """Standby processes no trial will use: end of input ends them."""
-        for process in list(self.standby.values()):
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-        for process in self.standby.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                signal_session(process, signal.SIGKILL)
-                process.wait()
-        self.standby.clear()
-
-    @contextlib.contextmanager
-    def starting(self, trial: optuna.Trial) -> Iterator[None]:
-        """A trial that could not be started (its folder taken or not writable, a full disk, no memory to
-        fork) ends FAIL saying why, where it had stayed RUNNING until another driver took it for dead."""
-        try:
-            yield
-        except Exception as err:
-            reason = str(err) if isinstance(err, SweepDirTaken) else f"it could not be started: {store_error_line(err)}"
-            with contextlib.suppress(Exception):  # a storage that failed is the error the worker reports
-                end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
-            raise
-
-    def supervise(self, trial: optuna.Trial, process: subprocess.Popen, started: float) -> int:
-        """Waits for the trial's process; kills it, and records the trial FAIL with why, when it runs
-        past sweep.trial_timeout or sends no heartbeat for sweep.grace_period."""
-        storage, study_id = self.study._storage, self.study._study_id
-        next_check = 0.0
-        while True:
-            try:
-                return process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-            if process in self.killed:  # stopped by the main thread (interrupted): wait for it to end
-                continue
-            elapsed = time.monotonic() - started
-            if elapsed > self.trial_timeout:
-                self.stop_trial(trial, process, f"killed by its driver: it ran past sweep.trial_timeout="
-                                                f"{self.trial_timeout:g} s", signal.SIGKILL)
-            elif elapsed >= next_check:  # a storage query: at the heartbeat cadence, not every second
-                next_check = elapsed + min(self.sweep.heartbeat_interval, 5)
-                if trial._trial_id in storage._get_stale_trial_ids(study_id):
-                    self.stop_trial(trial, process, f"killed by its driver: it sent no heartbeat for "
-                                                    f"sweep.grace_period={self.sweep.grace_period} s", signal.SIGKILL)
-
-    def stop_trial(self, trial: optuna.Trial, process: subprocess.Popen, reason: str, sig: int) -> None:
-        """Records the trial FAIL with `reason` first (a killed process cannot), then signals it:
-        SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one. A trial whose
-        summary.json records its end already (its sinks are being told, MLflow's can take seconds) is
-        not failed: it tells the study itself, or finish_trial does from that summary, value and all."""
-        self.killed[process] = reason
-        try:
-            if read_summary(self.trial_dir(trial.number)).get("status") not in TERMINAL:
-                end_trial(self.study, trial._trial_id, TrialState.FAIL, None, {"fail_reason": reason})
-        finally:  # stopped even when the storage cannot record it
-            signal_session(process, sig)
-
-    def finish_trial(self, trial: optuna.Trial, returncode: int, run_dir: Path, seconds: float,
-                     killed: str | None) -> None:
-        """The trial's process told the study how it ended; where it could not, its summary.json
-        (if it got that far) or its exit status does."""
-        storage = self.study._storage
-        frozen = storage.get_trial(trial._trial_id)
-        if frozen.state == TrialState.RUNNING:
-            reason = killed or describe_exit(returncode, run_dir / "output.log")
-            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"))
-            end_trial(self.study, trial._trial_id, state, value, attrs)
-            frozen = storage.get_trial(trial._trial_id)
-        with self.lock:
-            self.busy_seconds += seconds
-            if frozen.state == TrialState.FAIL:
-                self.failures += 1
-        self.close_trial_runs([frozen])
-        if frozen.state == TrialState.FAIL and disk_full(run_dir):  # every next trial would fail the same way
-            raise SweepDirUnwritable(f"the disk of its folder {self.sweep_dir} is full (trial {trial.number} failed: "
-                                     f"{frozen.user_attrs.get('fail_reason', '')})")
-        message = {TrialState.COMPLETE: ", ".join(f"{name} {value:.4f}" for name, value in
-                                                zip(self.objective.value_names, frozen.values or ())),
-                   TrialState.PRUNED: frozen.user_attrs.get("prune_reason", "pruned")}.get(
-            frozen.state, frozen.user_attrs.get("fail_reason", ""))
-        log.info(f"trial {trial.number} {frozen.state.name} after {seconds:.0f} s: {message}")
-
-    # -- the whole sweep ------------------------------------------------------------------------
 
     def run(self) -> dict:
         self.heartbeat.start()
@@ -1044,62 +452,6 @@ class Sweep:
                 f"storage={safe_storage(self.storage_spec)}" + (f" out={out}" if out else ""))
 
 
-STUDY_MARKER = ".study"  # in a sweep's folder: the study whose trials it holds
-WAIT = object()  # next_trial: none to start now, but one may follow
-EVAL_TOKENS = ("final_tokens", "checkpoint_tokens")  # eval.* keys that choose a study's validation set
-
-
-class SweepDirTaken(Exception):
-    """A trial's folder holds another run's records, written there after the sweep's start was checked."""
-
-
-class SweepDirUnwritable(Exception):
-    """The sweep's folder cannot be written (a full disk)."""
-
-
-FULL_DISK_BYTES = 1 << 20  # less free than this where a trial failed: its records could not be written
-
-
-def disk_full(folder: Path) -> bool:
-    try:
-        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
-    except OSError:
-        return False
-
-
-class TrackingStartError(Exception):
-    """The tracking store failed as the sweep opened its MLflow parent run, after the command line's
-    check found it usable."""
-
-
-def signal_session(process: subprocess.Popen, sig: int) -> None:
-    """`sig` to a trial's whole session (torchrun's ranks too), if it is still there."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)
-
-
-STORAGE_MODULES = ("optuna.storages", "sqlalchemy", "psycopg", "filelock")
-
-
-def from_storage(err: BaseException) -> bool:
-    """Whether `err` was raised inside the study's storage (Optuna's storages, the database driver, the
-    journal's file locks), not by this driver's own code."""
-    tb = err.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__", "").startswith(STORAGE_MODULES):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def search_path_override(config: DictConfig) -> list[str]:
-    """Trials find the same user presets as the driver: its hydra.searchpath and --config-dir."""
-    found = list(config.hydra.searchpath)
-    found += [f"{source.schema}://{source.path}" for source in config.hydra.runtime.config_sources
-              if source.provider == "command-line"]
-    return ["hydra.searchpath=[" + ",".join(repr(entry) for entry in found) + "]"] if found else []
-
-
 def _on_signals(handler) -> None:
     """Ctrl-C and SIGTERM (preemption, time limits) alike; Python takes signals in the main thread only.
     One the driver was started ignoring (SIGINT in a background job) stays ignored."""
@@ -1109,14 +461,6 @@ def _on_signals(handler) -> None:
                 signal.signal(signum, handler)
 
 
-_UNSET = object()  # a study attribute never recorded
-
-
-def _short(value) -> str:
-    """A parameter as a run's name shows it: floats to 4 significant digits."""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
 def _low(dist: BaseDistribution):
     return dist.choices[0] if isinstance(dist, optuna.distributions.CategoricalDistribution) else dist.low
 
@@ -1124,11 +468,6 @@ def _low(dist: BaseDistribution):
 def _ends(dist: BaseDistribution) -> list:
     """The values a check tries beside the lowest: every choice, or the upper end."""
     return list(dist.choices) if isinstance(dist, optuna.distributions.CategoricalDistribution) else [dist.high]
-
-
-def _comparable(overrides: list[str]) -> list[str]:
-    """The overrides that change what a trial computes (not where it is tracked or written)."""
-    return sorted(o for o in overrides if not o.lstrip("+~").startswith(("tracking.", "hydra.")))
 
 
 def run_sweep(config: DictConfig, arguments: list[str], config_loader, launcher=None) -> dict:
