@@ -105,6 +105,8 @@ class MlflowObserver:
             "torch": summary.get("torch"),
             "host": summary.get("host"),
             "budget": summary.get("budget"),
+            "mfu_basis": summary.get("mfu_basis"),  # cpu time or wall clock: what mfu is taken per
+            "precision": summary.get("precision"),
         }
         tags = {k: str(v) for k, v in tags.items() if v is not None}
         self._submit(_log_batch, self.client, self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

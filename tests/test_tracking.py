@@ -126,6 +126,7 @@ def assert_recorded(client: MlflowClient, run, raw) -> None:
     assert run.data.params["model.depth"] == "4"
     tags = run.data.tags
     assert tags["status"] == "FINISHED" and tags["device"] == "cpu" and tags["budget"] == "phase1"
+    assert tags["mfu_basis"] == "cpu time"  # on a CPU, mfu is taken per CPU-second
     assert tags["torch"] and tags["host"] and tags["device_count"] == "1"
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert len(losses) == 2 and all(m.timestamp > 1e12 and m.step >= 1 for m in losses)
