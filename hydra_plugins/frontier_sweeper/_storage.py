@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from pathlib import Path
 
@@ -16,13 +15,8 @@ from frontier.paths import unwritable
 from frontier.study import (ask_lock, build_pruner, damaged_journal, is_rdb, live_drivers, open_storage, record_driver,
                             safe_storage)
 
-log = logging.getLogger(__package__ + "._study")  # the sweep driver's lines under one name, whichever part logs
-
-
 STUDY_MARKER = ".study"  # in a sweep's folder: the study whose trials it holds
 EVAL_TOKENS = ("final_tokens", "checkpoint_tokens")  # eval.* keys that choose a study's validation set
-
-
 _UNSET = object()  # a study attribute never recorded
 
 
