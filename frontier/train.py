@@ -76,7 +76,8 @@ def check(cfg: DictConfig, overrides: list[Override]) -> None:
 
 
 GROUPS = ("model", "optim", "schedule", "kernel", "budget", "data", "sweep")
-UNNAMED = ("tracking.", "hydra.", "paths.", "trial.", "data.path", "sweep")  # where a run goes, not what it is
+UNNAMED = ("tracking.", "hydra.", "paths.", "trial.", "data.path", "data.cache_dir", "sweep")  # where, not what
+RUN_NAME_CHARS = 250  # MLflow's SQL stores keep no longer a run name
 
 
 def run_name(model: str, overrides: list[str]) -> str:
@@ -87,7 +88,8 @@ def run_name(model: str, overrides: list[str]) -> str:
         key, _, value = override.lstrip("+~").partition("=")
         if key != "model" and not key.startswith(UNNAMED):
             parts.append(override.lstrip("+~"))
-    return " ".join(parts)
+    name = " ".join(parts)
+    return name if len(name) <= RUN_NAME_CHARS else name[:RUN_NAME_CHARS - 1] + "…"
 
 
 @cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)

@@ -813,7 +813,7 @@ def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_fa
     assert summary["error"] == f"trial 0 was ended FAIL in the study ({STALE_REASON})"
     assert (out / "0" / "resume.pt").exists()
     client = MlflowClient(uri)
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("ended").experiment_id])}
+    runs = {r.info.run_name.split()[0]: r for r in client.search_runs([client.get_experiment_by_name("ended").experiment_id])}
     assert runs["trial-0"].info.status == "KILLED" and runs["sweep-ended"].info.status == "FAILED"
 
 

@@ -204,7 +204,9 @@ def test_a_run_is_named_by_its_model_and_what_its_command_changed():
     assert run_name("tiny", []) == "tiny"  # the sized defaults
     # where a run is written or tracked is not what it is
     assert run_name("tiny", ["+optim=adamw", "tracking.uri=sqlite:///x.db", "hydra.run.dir=/tmp/r",
-                             "paths.home=/h", "data.path=/d"]) == "tiny optim=adamw"
+                             "paths.home=/h", "data.path=/d", "data.cache_dir=/c"]) == "tiny optim=adamw"
+    long = run_name("tiny", [f"optim.matrix_lr=0.0{i}" for i in range(100)])
+    assert len(long) == 250 and long.endswith("…")  # what MLflow's SQL stores keep
 
 
 def test_on_a_cpu_mfu_is_taken_per_cpu_second():
