@@ -14,6 +14,7 @@ TINY_BENCH = [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "be
               "train.batch_tokens=512", "train.device_batch_rows=2", "data.vocab_size=1024"]
 
 
+@pytest.mark.slow
 def test_bench_runs_a_minimal_grid_and_writes_every_row(tmp_path):
     out, record = tmp_path / "bench.json", tmp_path / "results.jsonl"
     record.write_text('{"an": "earlier row"}\n')

@@ -137,6 +137,7 @@ def test_adamw_is_fused_on_cuda_and_steps_like_the_unfused_one():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_the_gpu_check_dry_runs_on_a_machine_without_cuda(tmp_path):
     if CUDA:
         pytest.skip("this machine has CUDA: the check would measure, not dry-run")

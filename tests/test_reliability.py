@@ -710,6 +710,7 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
     assert states[2] == optuna.trial.TrialState.COMPLETE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "again-while-it-exits"])
 def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path, twice):
     """frontier.bench interrupted while it times steps: no KeyboardInterrupt traceback. A second Ctrl-C

@@ -78,6 +78,7 @@ def tpe_sweep(tmp_path_factory):
     return tmp, storage, second
 
 
+@pytest.mark.slow
 def test_tpe_sweep_completes_and_resumes_to_the_total_asked(tpe_sweep):
     tmp, storage, second = tpe_sweep
     study = load(storage, "tpe")
@@ -97,6 +98,7 @@ def test_tpe_sweep_completes_and_resumes_to_the_total_asked(tpe_sweep):
     assert f"trial {best.number}, val_bpb **{best.value:.4f}**" in report
 
 
+@pytest.mark.slow
 def test_sweep_report_command_writes_tables_and_plots(tpe_sweep):
     tmp, storage, _ = tpe_sweep
     out = tmp / "report"
@@ -115,6 +117,7 @@ def test_sweep_report_command_writes_tables_and_plots(tpe_sweep):
 # Pruning, failures, MLflow
 
 
+@pytest.mark.slow
 def test_aggressive_pruner_records_pruned_trials(tmp_path):
     storage = str(tmp_path / "study.journal")
     # A finished trial far better than any tiny run at every checkpoint: successive halving
@@ -136,6 +139,7 @@ def test_aggressive_pruner_records_pruned_trials(tmp_path):
         assert summary["status"] == "PRUNED"
 
 
+@pytest.mark.slow
 def test_diverging_trial_fails_the_sweep_goes_on_and_mlflow_nests_trials(tmp_path):
     pytest.importorskip("frontier.tracking", reason="frontier/tracking.py is not there yet")
     from mlflow import MlflowClient
@@ -192,6 +196,7 @@ def check_shared(tmp_path: Path, study: optuna.Study, n_trials: int) -> None:
     assert sorted(dirs) == [str(n) for n in range(n_trials)]  # each trial ran once, in one worker
 
 
+@pytest.mark.slow
 def test_two_workers_share_a_journal_file(tmp_path):
     storage = str(tmp_path / "study.journal")
     run_two_workers(tmp_path, storage, "shared", 3)
@@ -307,6 +312,7 @@ def test_a_range_holds_pythons_values_descending_too(expr, values):
     assert grid_values({"model.depth": dist})["model.depth"] == pytest.approx(sorted(values))
 
 
+@pytest.mark.slow
 def test_a_descending_range_sweeps_its_values(tmp_path):
     storage = tmp_path / "study.journal"
     run_sweep(tmp_path / "out", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none", f"sweep.storage={storage}",

@@ -265,6 +265,7 @@ sys.exit(0 if observer.delivered else 1)
 """
 
 
+@pytest.mark.slow
 def test_four_processes_share_a_fresh_sqlite_store(tmp_path):
     uri = sqlite_uri(tmp_path)
     script = tmp_path / "worker.py"
@@ -587,6 +588,7 @@ def test_resume_reopens_the_run_and_sends_what_it_missed(tmp_path, store):
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "FINISHED" and "error" not in run.data.tags
 
 
+@pytest.mark.slow
 def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     for args, says in ((["sync", str(tmp_path / "empty")], "is not a run directory"),
