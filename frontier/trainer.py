@@ -103,13 +103,16 @@ def check_runnable(config: Config) -> None:
 
 
 def eval_sizing(config: Config, device: Device, ops: Ops) -> tuple[int, int, str]:
-    """What sizing.eval_tokens picks for this configuration on this device (the model's FLOPs per
-    token from a model on the meta device: nothing is allocated)."""
+    """eval.final_tokens and eval.checkpoint_tokens as the config gives them, and where it leaves them
+    null as sizing.eval_tokens picks them for this configuration on this device (the model's FLOPs per
+    token from a model on the meta device: nothing is allocated); and why."""
     with torch.device("meta"):
         flops_per_token = GPT(config.model, config.data.vocab_size, ops).flops_per_token()
     peak, _ = device.peak_flops()
-    return sizing.eval_tokens(config.budget.seconds, config.eval.every_fraction, peak, flops_per_token,
-                              config.model.seq_len)
+    final, checkpoint, why = sizing.eval_tokens(config.budget.seconds, config.eval.every_fraction, peak,
+                                                flops_per_token, config.model.seq_len)
+    final = config.eval.final_tokens or final
+    return final, config.eval.checkpoint_tokens or min(checkpoint, final), why
 
 
 def size_evaluation(config: Config, raw: DictConfig, device: Device, ops: Ops) -> str | None:
@@ -117,11 +120,7 @@ def size_evaluation(config: Config, raw: DictConfig, device: Device, ops: Ops) -
     and in the record of it (MLflow's params, resume.pt, final.pt); returns the line that says so."""
     if config.eval.final_tokens is not None and config.eval.checkpoint_tokens is not None:
         return None
-    final, checkpoint, why = eval_sizing(config, device, ops)
-    if config.eval.final_tokens is None:
-        config.eval.final_tokens = final
-    if config.eval.checkpoint_tokens is None:
-        config.eval.checkpoint_tokens = min(checkpoint, config.eval.final_tokens)
+    config.eval.final_tokens, config.eval.checkpoint_tokens, why = eval_sizing(config, device, ops)
     with open_dict(raw), read_write(raw):
         raw.eval.final_tokens, raw.eval.checkpoint_tokens = config.eval.final_tokens, config.eval.checkpoint_tokens
     return (f"evaluation: {config.eval.final_tokens:,} tokens at the end, {config.eval.checkpoint_tokens:,} at each "

@@ -125,10 +125,8 @@ class StudyStorage:
             return recorded
         if len(given) == len(EVAL_TOKENS):
             return {**given, "how": "given"}
-        final, checkpoint, why = self.sized_eval_tokens()
-        final = given.get("final_tokens", final)
-        return {"final_tokens": final, "checkpoint_tokens": given.get("checkpoint_tokens", min(checkpoint, final)),
-                "how": why}
+        final, checkpoint, why = self.sized_eval_tokens()  # the command's own values where it gives them
+        return {"final_tokens": final, "checkpoint_tokens": checkpoint, "how": why}
 
     def sized_eval_tokens(self) -> tuple[int, int, str]:
         import torch
