@@ -206,7 +206,9 @@ def test_trials_run_in_standby_processes_and_a_dead_standby_is_replaced(wiki, tm
     killed = None
     deadline = time.time() + 120
     while killed is None and time.time() < deadline:  # the standby the second trial started beside it
-        standby = [pid for pid, args in _processes() if "frontier.standby" in args
+        running = {int(str(t.user_attrs.get("process", "::")).split(":")[1] or 0)
+                   for t in trials_of(storage, "warm")}  # trial 1's process may not have read its line yet
+        standby = [pid for pid, args in _processes() if "frontier.standby" in args and pid not in running
                    and pid in _frontier_processes(tmp_path / "out") and _waiting(pid)]
         if standby:
             killed = standby[0]
