@@ -70,7 +70,13 @@ class World:
             offset += g.numel()
 
     def close(self) -> None:
+        """Leaves the group together: a rank that tore its connections down while a peer was still
+        writing (rank 0's checkpoint) could abort in gloo's teardown (SIGABRT at exit)."""
         if self.active and dist.is_initialized():
+            try:
+                dist.barrier()
+            except Exception:  # a peer already gone: nothing left to wait for
+                pass
             dist.destroy_process_group()
 
 
