@@ -168,6 +168,7 @@ class OptimConfig:
     embedding_lr: float = 0.6
     unembedding_lr: float = 0.004
     scalar_lr: float = 0.5  # per-layer scalars (model.layer_scalars), AdamW
+    lr_scale: float = 1.0  # multiplies every group's learning rate: one knob for the whole set (sweep=frontier)
     weight_decay: float = 0.2  # decoupled, on the block matrices only
     adam_betas: list[float] = field(default_factory=lambda: [0.8, 0.95])
     adam_eps: float = 1e-10
@@ -182,6 +183,7 @@ class OptimConfig:
         for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
             value = getattr(self, key)
             _require(value >= 0, f"optim.{key}", value, "must be >= 0")
+        _require(self.lr_scale > 0, "optim.lr_scale", self.lr_scale, "must be positive")
         _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
                  "optim.adam_betas", list(self.adam_betas), "two numbers in [0, 1)")
         _require(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "must be positive")
@@ -384,6 +386,31 @@ OBJECTIVES = ("val_bpb", "composite", "pareto")
 
 
 @dataclass
+class FrontierConfig:
+    """The family of shapes a frontier sweep trains: depth grows, d_model = depth x aspect_ratio rounded
+    up to whole heads of head_dim, crossed with a bracket of learning-rate scales (sweeps/frontier.yaml)."""
+
+    depths: Optional[list[int]] = None  # null: sized to the device (CPU 2 ... 12, accelerators 6 ... 16, by 2)
+    aspect_ratio: Optional[int] = None  # null: the composed model's d_model / depth
+    head_dim: Optional[int] = None  # null: the composed model's head size
+    lr_scales: list[float] = field(default_factory=lambda: [0.5, 1.0])  # optim.lr_scale of each shape's runs
+
+    def __post_init__(self) -> None:
+        if self.depths is not None:
+            _require(len(set(self.depths)) == len(self.depths) >= 3 and min(self.depths) >= 1,
+                     "sweep.frontier.depths", list(self.depths),
+                     "at least three distinct positive depths: a parabola needs three shapes")
+        _require(self.aspect_ratio is None or self.aspect_ratio >= 1, "sweep.frontier.aspect_ratio",
+                 self.aspect_ratio, "a positive integer (d_model per layer), or null for the model's own")
+        _require(self.head_dim is None or (self.head_dim >= 2 and self.head_dim % 2 == 0),
+                 "sweep.frontier.head_dim", self.head_dim,
+                 "a positive even number (rotary rotates pairs), or null for the model's own")
+        _require(len(self.lr_scales) >= 1 and all(s > 0 for s in self.lr_scales)
+                 and len(set(self.lr_scales)) == len(self.lr_scales), "sweep.frontier.lr_scales",
+                 list(self.lr_scales), "distinct positive multipliers of the learning rates, e.g. [0.5, 1.0]")
+
+
+@dataclass
 class SweepConfig:
     """A budgeted Optuna search: `--multirun sweep=NAME` (presets in sweeps/, run by
     hydra_plugins/frontier_sweeper). Checkpoint k is the k-th `eval.every_fraction` of the budget."""
@@ -419,6 +446,8 @@ class SweepConfig:
     # trials, else 0 (off)
     confirm: Optional[int] = None
     confirm_top: int = 2  # how many of the best configurations are confirmed
+    budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
+    frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
@@ -457,6 +486,13 @@ class SweepConfig:
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
+        if self.budgets is not None:
+            _require(len(self.budgets) >= 1 and all(b > 0 for b in self.budgets)
+                     and len(set(self.budgets)) == len(self.budgets), "sweep.budgets", list(self.budgets),
+                     "distinct positive seconds, e.g. [60, 240], or null for budget.seconds")
+            _require(len(self.budgets) == 1 or self.pruner == "none", "sweep.pruner", self.pruner,
+                     f"none with several sweep.budgets={list(self.budgets)}: a pruner compares trials at equal "
+                     "fractions of their budgets, which are not equal wall-clock across budgets")
 
 
 @dataclass

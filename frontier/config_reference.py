@@ -258,14 +258,23 @@ def render() -> str:
 
 
 def table(group: str, schema: type, ranges: dict[str, list[str]]) -> list[str]:
+    return ["| key | type | default | allowed | what it does |", "|---|---|---|---|---|",
+            *rows(group, schema, ranges), ""]
+
+
+def rows(prefix: str, schema: type, ranges: dict[str, list[str]]) -> list[str]:
+    """One row per key, and the keys of a nested schema (sweep.frontier.depths) after their parent's."""
     hints = typing.get_type_hints(schema)
     comments = field_comments(schema)
-    lines = ["| key | type | default | allowed | what it does |", "|---|---|---|---|---|"]
+    lines = []
     for f in fields(schema):
-        key = f"{group}.{f.name}"
+        key = f"{prefix}.{f.name}"
         note = comments.get(f.name) or NOTES.get(key) or (KERNEL_OP_NOTE if f.name in config.KERNEL_OPS else "")
         lines.append(row(key, f, hints[f.name], ranges.get(key, []), note))
-    return lines + [""]
+        nested = next((a for a in (hints[f.name], *typing.get_args(hints[f.name])) if is_dataclass(a)), None)
+        if nested is not None:
+            lines += rows(key, nested, ranges)
+    return lines
 
 
 def row(key: str, f, annotation: Any, allowed: list[str], note: str) -> str:

@@ -121,6 +121,7 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
         ]
     for opt in optimizers:
         for group in opt.param_groups:
+            group["lr"] *= cfg.lr_scale
             group["base_lr"] = group["lr"]
     return optimizers
 

@@ -262,7 +262,8 @@ def outcome(summary: dict, reason: str, objective: dict | None = None) -> tuple[
     status = summary.get("status")
     values, why = trial_values(objective, summary)
     attrs = {"status": status}
-    attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen", "val_tokens", *TIME_KEYS)
+    attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen", "val_tokens", "params",
+                                                "tokens_per_second", *TIME_KEYS)
                   if key in summary})
     attrs.update({key: summary[key] for key in ("val_bpb", "core")
                   if isinstance(summary.get(key), (int, float)) and math.isfinite(summary[key])})

@@ -190,6 +190,21 @@ BAD = [
                                                              "integer, in a trial of this search (model=tiny"),
     (["--multirun", "sweep=lr", "schedule.warmdown_fraction=interval(0.5,1.5)"],
      "schedule.warmdown_fraction=1.5 is not allowed: must be between 0 and 1, in a trial of this search"),
+    # --multirun sweep=frontier: the family of shapes, its budgets
+    (["--multirun", "sweep=frontier", "sweep.frontier.depths=[2,4]"], "sweep.frontier.depths=[2, 4] is not allowed: "
+                                                                     "at least three distinct positive depths"),
+    (["--multirun", "sweep=frontier", "sweep.budgets=[0]"], "sweep.budgets=[0.0] is not allowed: distinct positive "
+                                                           "seconds"),
+    (["--multirun", "sweep=frontier", "sweep.budgets=[60,240]", "sweep.pruner=hyperband"],
+     "sweep.pruner='hyperband' is not allowed: none with several sweep.budgets=[60.0, 240.0]"),
+    (["--multirun", "sweep=frontier", "sweep.budgets=[60,240]", "sweep.confirm=3"],
+     "sweep.confirm=3 is not allowed with several sweep.budgets"),
+    (["--multirun", "sweep=frontier", "sweep.frontier.aspect_ratio=8192", "sweep.frontier.depths=[2,4,64]"],
+     "sweep.frontier.depths=[2, 4, 64] is not allowed on this cpu: depth 64 ("),
+    (["--multirun", "sweep=frontier", "model.depth=choice(2,4)"], "model.depth is not allowed in this search space: "
+                                                                 "sweep.frontier.depths sets it"),
+    (["--multirun", "sweep=frontier", "sweep.frontier.lr_scales=[]"], "sweep.frontier.lr_scales=[] is not allowed"),
+    (["optim.lr_scale=0"], "optim.lr_scale=0.0 is not allowed: must be positive"),
     # --multirun: a sweep's own settings are not swept
     (["--multirun", "sweep=lr,arch"], "sweep=lr,arch is not allowed: a sweep's own settings cannot be swept"),
     (["--multirun", "sweep=lr", "sweep.sampler=tpe,bogus"], "sweep.sampler=tpe,bogus is not allowed: a sweep's own "
@@ -210,7 +225,7 @@ def isolated(folder) -> list[str]:
 def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
     options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
     overrides = [arg for arg in args if arg not in options]
-    if "sweep=lr" in overrides and not any(o.startswith("sweep.storage=") for o in overrides):  # the study's too
+    if {"sweep=lr", "sweep=frontier"} & set(overrides) and not any(o.startswith("sweep.storage=") for o in overrides):  # the study's too
         overrides.append(f"sweep.storage={tmp_path}/study.journal")
     result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides], timeout=120)
     lines = result.stderr.splitlines()

@@ -83,6 +83,18 @@ def test_muon_preset_splits_groups_and_schedule_scales_every_lr():
     assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["momentum"] == 0.9
 
 
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_lr_scale_multiplies_every_groups_rate_and_the_schedule_keeps_it(name):
+    model = GPT(ModelConfig(depth=2, d_model=32, n_head=2, seq_len=8, layer_scalars=True), vocab_size=50)
+    plain = build_optimizers(model.param_groups(), OptimConfig(name=name), "cpu")
+    scaled = build_optimizers(model.param_groups(), OptimConfig(name=name, lr_scale=0.25), "cpu")
+    apply_schedule(scaled, 0.5, momentum=0.9)
+    rates = [g["lr"] for opt in plain for g in opt.param_groups]
+    assert [g["lr"] for opt in scaled for g in opt.param_groups] == pytest.approx([r * 0.125 for r in rates])
+    with pytest.raises(ConfigError, match="optim.lr_scale"):
+        OptimConfig(lr_scale=0)
+
+
 def test_adamw_preset_uses_adamw_for_everything():
     model = GPT(ModelConfig(depth=1, d_model=32, n_head=2, seq_len=8), vocab_size=50)
     (adam,) = build_optimizers(model.param_groups(), OptimConfig(name="adamw", matrix_lr=0.003), "cpu")

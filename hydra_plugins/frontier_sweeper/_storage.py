@@ -98,6 +98,8 @@ class StudyStorage:
         study.set_user_attr("budget_seconds", self.config.budget.seconds)
         study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
+        if self.family is not None:  # what frontier/shapes.py fits
+            study.set_user_attr("frontier", self.family.describe())
         return study
 
     def check_confirmable(self, study: optuna.Study) -> None:
@@ -136,7 +138,7 @@ class StudyStorage:
         from frontier.model import Ops
         from frontier.trainer import eval_sizing
 
-        raw = self.baseline.copy()
+        raw = self.sizing_config.copy()
         with open_dict(raw):
             del raw["hydra"]  # the run's keys only
         config = to_config(raw)

@@ -26,13 +26,14 @@ from types import SimpleNamespace
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import BaseDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
                                                      search_running, seeds_per_configuration)
+from hydra_plugins.frontier_sweeper._frontier import BUDGET, Family, check_fits, check_space, family
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._parent_run import ParentRun, TrackingStartError
@@ -125,11 +126,11 @@ def pruner_settings(sweep: SweepConfig, every_fraction: float) -> dict:
             "reduction_factor": sweep.reduction_factor}
 
 
-def default_trial_timeout(budget) -> float:
-    """How long a trial may run: its charged budget, the start-up time forgiven up to
-    budget.startup_cap_seconds, and an allowance for what is never charged (checkpoint and final
+def default_trial_timeout(budget, seconds: float) -> float:
+    """How long a trial of `seconds` charged may run: its charged budget, the start-up time forgiven up
+    to budget.startup_cap_seconds, and an allowance for what is never charged (checkpoint and final
     evaluations, CORE): half the budget again, at least 10 minutes."""
-    return budget.seconds + budget.startup_cap_seconds + max(600.0, 0.5 * budget.seconds)
+    return seconds + budget.startup_cap_seconds + max(600.0, 0.5 * seconds)
 
 
 class Sweep(StudyStorage, ParentRun, Workers):
@@ -137,6 +138,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.config = config
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
         self.space, self.fixed, self.written = parse(self.sweep.params, arguments)
+        self.family = self.grid_axes(config)
         if not self.space:  # every trial would be the same run
             raise ConfigError(f"sweep={self.sweep.name} is not allowed without a search space: give one in the "
                               "preset's params or on the command line, e.g. "
@@ -164,15 +166,25 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if self.n_trials is None and self.sweep.timeout is None:
             raise ConfigError("sweep.n_trials=null is not allowed without sweep.timeout: set either of them")
         self.confirm_seeds = seeds_per_configuration(self.sweep.confirm, self.n_trials)
-        if self.objective.name == "pareto" and self.confirm_seeds:
+        several_budgets = len(self.sweep.budgets or []) > 1
+        if (self.objective.name == "pareto" or several_budgets) and self.confirm_seeds:
             if self.sweep.confirm:
-                raise ConfigError(f"sweep.confirm={self.sweep.confirm} is not allowed with sweep.objective=pareto: "
-                                  "a front has no single winner to confirm; add sweep.confirm=0")
+                why = ("a front has no single winner to confirm" if not several_budgets else
+                       "the best of several sweep.budgets do not compare with one baseline")
+                raise ConfigError(f"sweep.confirm={self.sweep.confirm} is not allowed with "
+                                  f"{'sweep.objective=pareto' if not several_budgets else 'several sweep.budgets'}: "
+                                  f"{why}; add sweep.confirm=0")
             self.confirm_seeds = 0
         self.check_composes(config_loader)
         # the baseline: the command's configuration with the preset's plain values, no search-space point
         self.baseline = config_loader.load_sweep_config(self.config, self.fixed + ["trial.number=0"])
-        self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget)
+        # evaluation is sized on the costliest trial (the largest shape at the shortest budget)
+        self.sizing_config = self.baseline if self.family is None else config_loader.load_sweep_config(
+            self.config, self.fixed + self.trial_overrides(self.family.costliest()) + ["trial.number=0"])
+        if self.family is not None:
+            check_fits(self.family, self.sizing_config)
+        longest = max(self.sweep.budgets or [config.budget.seconds])
+        self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget, longest)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.driver = Process.this()
         self.claimed = False  # this driver made the sweep folder's .study
@@ -195,6 +207,24 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.closing = threading.Lock()
         self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
 
+    def grid_axes(self, config: DictConfig) -> Family | None:
+        """Adds sweep.budgets and a frontier's shapes and learning-rate scales to the search space."""
+        check_space(self.space, self.sweep.frontier, self.sweep.budgets)
+        if self.sweep.frontier is None:
+            if self.sweep.budgets is not None:
+                self.space[BUDGET] = CategoricalDistribution(sorted(self.sweep.budgets))
+            return None
+        from frontier.device import device_kind
+
+        found = family(self.sweep.frontier, self.sweep.budgets, config.model, config.budget.seconds,
+                       device_kind(config.device))
+        self.space.update(found.space())
+        return found
+
+    def trial_overrides(self, params: dict) -> list[str]:
+        """A trial's search-space point as overrides, with the width and heads of a frontier's shape."""
+        return [as_override(k, v) for k, v in params.items()] + (self.family.derived(params) if self.family else [])
+
     def check_composes(self, config_loader) -> None:
         """Every trial's overrides must compose (keys exist, types fit) and pass the checks a single run
         gets up front (range checks, data.path, ...) before any trial starts: the lowest point, then
@@ -206,7 +236,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         first = {key: _low(dist) for key, dist in self.space.items()}
         batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
         for params in batches:
-            overrides = self.fixed + [as_override(k, v) for k, v in params.items()]
+            overrides = self.fixed + self.trial_overrides(params)
             try:
                 trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:

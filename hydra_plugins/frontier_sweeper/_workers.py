@@ -197,7 +197,7 @@ class Workers:
                 raise SweepDirTaken(f"{run_dir} holds another run's records ({', '.join(found)}), so trial "
                                     f"{trial.number} did not start there; give each sweep a hydra.sweep.dir of "
                                     "its own")
-            params = [as_override(key, value) for key, value in trial.params.items()]
+            params = self.trial_overrides(trial.params)
             overrides = self.fixed + self.eval_overrides() + params
             confirm = trial.user_attrs.get("confirm")
             name = " ".join([f"trial-{trial.number}", *(f"{key}={_short(value)}" for key, value in trial.params.items())])
