@@ -1,5 +1,6 @@
 """The compute-optimal shape of a frontier sweep (frontier/shapes.py): the fit recovers a known optimum,
-refuses one outside the swept shapes, and the power law recovers a known exponent."""
+refuses one outside the swept shapes, the power law recovers a known exponent, and the sweep report
+carries the section, its command and its plots (an unfinished sweep says what is missing)."""
 from __future__ import annotations
 
 import math
@@ -7,10 +8,14 @@ import math
 import numpy as np
 import optuna
 import pytest
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
 
 from frontier import shapes
+from frontier.sweep_report import write_report
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+DEPTHS, LR_SCALES = [2, 4, 6, 8, 10, 12], [0.5, 1.0]
 BASE = ["model=tiny", "eval.final_tokens=65536"]  # settings of every trial the command must keep
 
 
@@ -69,3 +74,95 @@ def test_the_command_keeps_the_trials_settings_and_sets_the_shape_its_scale_and_
     assert shapes.overrides_for(point, shape, 240.0) == [*BASE, "model.depth=6", "model.d_model=192",
                                                          "model.n_head=3", "optim.lr_scale=0.5",
                                                          "budget.seconds=240.0"]
+
+
+# -----------------------------------------------------------------------------
+# Through the sweep report, on an Optuna study as a frontier sweep leaves it
+
+
+def shape_of(depth):
+    d_model = math.ceil(depth * 32 / 64) * 64
+    return {"model.depth": depth, "model.d_model": d_model, "model.n_head": d_model // 64}
+
+
+def params_of(depth):
+    d_model = shape_of(depth)["model.d_model"]
+    return 12 * depth * d_model ** 2 + 2 * 8192 * d_model  # blocks and both embeddings
+
+
+def optimum_at(seconds):
+    return 3e6 * (seconds / 60) ** 0.5  # N_opt ∝ T^0.5
+
+
+def grid_trial(depth, lr_scale, seconds, state=TrialState.COMPLETE):
+    """One trial of the grid: deep shapes prefer the smaller scale; the device slows with size."""
+    params = {"model.depth": depth, "optim.lr_scale": lr_scale, "budget.seconds": seconds}
+    distributions = {"model.depth": CategoricalDistribution(DEPTHS),
+                     "optim.lr_scale": CategoricalDistribution(LR_SCALES),
+                     "budget.seconds": CategoricalDistribution([60.0, 240.0])}
+    if state != TrialState.COMPLETE:
+        return create_trial(state=state, params=params, distributions=distributions)
+    n = params_of(depth)
+    speed = 1e5 * (n / 1e6) ** -0.8
+    noise = parabola([n], optimum_at(seconds), noise=0.005, seed=depth * 1000 + int(lr_scale * 10 + seconds))[0]
+    bpb = noise + 0.05 * abs(lr_scale - (1.0 if depth < 6 else 0.5))
+    overrides = [*BASE, *(f"{k}={v}" for k, v in shape_of(depth).items()), f"optim.lr_scale={lr_scale}",
+                 f"budget.seconds={seconds}"]
+    return create_trial(params=params, distributions=distributions, value=bpb,
+                        user_attrs={"params": n, "tokens_seen": int(speed * seconds), "tokens_per_second": speed,
+                                    "charged_seconds": seconds, "overrides": overrides})
+
+
+def frontier_study(trials):
+    study = optuna.create_study(study_name="shapes")
+    study.set_user_attr("frontier", {"budgets": [60.0, 240.0], "depths": DEPTHS, "lr_scales": LR_SCALES,
+                                     "aspect_ratio": 32, "head_dim": 64, "device": "cpu",
+                                     "shapes": {str(d): shape_of(d) for d in DEPTHS}})
+    for trial in trials:
+        study.add_trial(trial)
+    return study
+
+
+def test_the_report_of_a_frontier_sweep_gives_the_optimum_its_command_and_plots(tmp_path):
+    study = frontier_study([grid_trial(d, s, t) for t in (60.0, 240.0) for d in DEPTHS for s in LR_SCALES])
+    report = write_report(study, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert shapes.TITLE in text and text.index(shapes.TITLE) < text.index("## Where the time went")
+    assert "Unfinished" not in text and "No optimum" not in text
+    for seconds in (60.0, 240.0):
+        found = report["frontier"]["budgets"][seconds]
+        assert found["optimum_params"] == pytest.approx(optimum_at(seconds), rel=0.05)
+        assert found["interval"][0] <= found["optimum_params"] <= found["interval"][1]
+        assert found["val_bpb"] == pytest.approx(1.5, abs=0.01)
+    # 6.0M params at 240 s: depth 6 (5.8M) is the nearest shape, best at the smaller scale.
+    command = ("python -m frontier.train model=tiny eval.final_tokens=65536 model.depth=6 model.d_model=192 "
+               "model.n_head=3 optim.lr_scale=0.5 budget.seconds=240.0")
+    assert report["frontier"]["budgets"][240.0]["command"] == command and f"\n{command}\n" in text
+    assert report["frontier"]["scaling"]["params_exponent"] == pytest.approx(0.5, abs=0.05)
+    assert report["frontier"]["scaling"]["tokens_exponent"] == pytest.approx(1 - 0.8 * 0.5, abs=0.05)
+    assert "**Extrapolated** to the competition's budgets" in text and "| phase 2 (14400 s) |" in text
+    for name in ("frontier.png", "speed.png"):
+        assert tmp_path / name in report["files"] and (tmp_path / name).stat().st_size > 0
+
+
+def test_the_report_of_an_unfinished_frontier_sweep_says_what_is_missing(tmp_path):
+    trials = [grid_trial(d, s, 60.0) for d in DEPTHS for s in LR_SCALES]
+    trials += [grid_trial(d, 1.0, 240.0) for d in (2, 4)] + [grid_trial(6, 1.0, 240.0, TrialState.RUNNING)]
+    report = write_report(frontier_study(trials), tmp_path)
+    text = report["text"]
+    assert ("**Unfinished** budget 240 s: 2 of 6 shapes finished (depths 2, 4); 1 trial(s) running; "
+            "9 of 12 grid points (depth x lr_scale) not started; the fit needs 3.") in text
+    assert "budget 60 s:" not in text  # that budget is complete
+    assert report["frontier"]["budgets"][240.0]["optimum_params"] is None
+    assert report["frontier"]["budgets"][60.0]["optimum_params"] == pytest.approx(optimum_at(60.0), rel=0.05)
+    assert report["frontier"]["scaling"] is None
+    assert "the scaling needs an optimum at two budgets or more (1 so far)" in text
+
+
+def test_a_study_that_is_not_a_frontier_sweep_has_no_frontier_section(tmp_path):
+    study = optuna.create_study(study_name="plain")
+    study.add_trial(create_trial(value=1.0, params={"x": 1.0},
+                                 distributions={"x": optuna.distributions.FloatDistribution(0, 2)}))
+    report = write_report(study, tmp_path)
+    assert shapes.TITLE not in report["text"] and report["frontier"] is None
+    assert not (tmp_path / "frontier.png").exists()
