@@ -5,7 +5,8 @@ importances, the confirmation of the best configurations against the baseline wi
 the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
 importances, the confirmed configurations against the seeds' noise (confirm.png), and for
-`sweep.objective=pareto` the front of val_bpb against CORE (pareto.png). They are logged as
+`sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
+compute-optimal shape (frontier/shapes.py: frontier.png, speed.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
 <sweep dir>/report when it finishes.
 """
@@ -25,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier import paths  # noqa: E402
+from frontier import paths, shapes  # noqa: E402
 from frontier.cli import command, print_help_if_asked  # noqa: E402
 from frontier.compose import check_writable_path  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
@@ -361,6 +362,7 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
         lines += [f"| {name} | {value:.3f} |" for name, value in importances.items()] + [""]
     if confirmed:
         lines += confirmation_lines(confirmed)
+    lines += shapes.report_lines(study)  # a frontier sweep's fit; nothing for any other study
     if account:
         lines += time_lines(account, every)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
@@ -390,8 +392,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     if confirmed and any(r["n"] for r in confirmed["rows"]):
         plot_confirmation(confirmed, out_dir / "confirm.png")
         files.append(out_dir / "confirm.png")
+    files += shapes.plot(study, out_dir)
     return {"best": best, "front": [t.number for t in front], "counts": counts, "importances": importances,
-            "files": files, "text": text, "confirmation": confirmed, "time": account}
+            "files": files, "text": text, "confirmation": confirmed, "time": account, "frontier": shapes.summary(study)}
 
 
 def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:

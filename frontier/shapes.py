@@ -1,0 +1,426 @@
+"""The compute-optimal shape of a frontier sweep (`sweep=frontier`).
+
+At each budget: every shape at its best learning-rate scale, a parabola in ln(params) through those
+points whose minimum is the optimal model size (with a bootstrap interval), the tokens that size sees
+at this device's speed, and the nearest swept shape as a command to run. With an optimum at two budgets
+or more: how the optimal size and tokens grow with the budget, extrapolated to the competition's.
+The sweep report (frontier/sweep_report.py) adds this section and its two plots to a frontier study's.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import optuna  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+
+DEPTH, LR_SCALE, BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
+MIN_SHAPES = 3  # a parabola has three coefficients
+RESAMPLES = 1000
+COMPETITION = {"phase 1": 1800.0, "phase 2": 14400.0}  # the competition's budgets in seconds
+TITLE = "## Frontier: the best shape for this device and budget"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One shape at one budget, at its best learning-rate scale: the trial that did best."""
+    depth: int
+    lr_scale: float
+    params: int
+    val_bpb: float
+    tokens_seen: int
+    tokens_per_second: float
+    overrides: tuple[str, ...] = ()  # the trial's own, the base of its command
+
+
+@dataclass(frozen=True)
+class Fit:
+    """val_bpb = a x^2 + b x + c in x = ln(params), and its minimum where it lies among the shapes."""
+    coefficients: tuple[float, float, float] | None = None
+    optimum: float | None = None  # params at the minimum
+    interval: tuple[float, float] | None = None  # of the optimum: 2.5 and 97.5 bootstrap percentiles
+    val_bpb: float | None = None  # predicted at the optimum
+    val_bpb_interval: tuple[float, float] | None = None
+    resamples: int = 0  # the bootstrap resamples that had a minimum
+    problem: str | None = None  # why there is no optimum
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """One budget of the sweep: its trials, the shapes' best points, the fit and what follows from it."""
+    seconds: float
+    trials: list
+    points: list[Point]
+    fit: Fit
+    speed: tuple[float, float] | None  # ln(tokens/s) = slope ln(params) + intercept
+    tokens: float | None = None  # the optimum sees, at that speed
+    nearest: Point | None = None
+    command: str | None = None
+
+
+def search_trials(study: optuna.Study) -> list:
+    """The sweep's grid points: confirmation runs retrain chosen configurations, they are no new shape."""
+    return [t for t in study.get_trials(deepcopy=False) if "confirm" not in t.user_attrs]
+
+
+def at_budget(trials: list, seconds: float) -> list:
+    """The trials of one budget: each budget has its own optimum."""
+    return [t for t in trials if math.isclose(t.params.get(BUDGET, math.nan), seconds)]
+
+
+def finished(trials: list) -> list:
+    """The trials with a val_bpb: running, pruned and failed ones measured nothing to fit."""
+    return [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+
+
+def best_points(trials: list) -> list[Point]:
+    """Each shape at its best lr_scale: the learning rate is tuned away, leaving val_bpb against size."""
+    best = {}
+    for t in finished(trials):
+        depth = t.params[DEPTH]
+        if depth not in best or t.value < best[depth].value:
+            best[depth] = t
+    return [Point(depth=d, lr_scale=t.params[LR_SCALE], params=t.user_attrs["params"], val_bpb=t.value,
+                  tokens_seen=t.user_attrs["tokens_seen"], tokens_per_second=t.user_attrs["tokens_per_second"],
+                  overrides=tuple(t.user_attrs.get("overrides", ())))
+            for d, t in sorted(best.items())]
+
+
+def vertex(coefficients) -> tuple[float, float]:
+    """The parabola's turning point (x, y): its minimum where it opens upward."""
+    a, b, c = coefficients
+    return -b / (2 * a), c - b * b / (4 * a)
+
+
+def vertex_problem(coefficients, lowest: float, highest: float) -> str | None:
+    """Why the parabola gives no optimum among the swept sizes: one outside them would be a guess."""
+    a, b, _ = coefficients
+    if a > 0 and lowest <= vertex(coefficients)[0] <= highest:
+        return None
+    if a > 0:
+        deeper = vertex(coefficients)[0] > highest
+        why = f"the optimum lies beyond the {'largest' if deeper else 'smallest'} shape"
+    else:
+        deeper = np.polyval(coefficients, highest) < np.polyval(coefficients, lowest)
+        why = (f"val_bpb does not curve upward in ln(params), so the fit has no minimum; it is lowest at the "
+               f"{'largest' if deeper else 'smallest'} shape")
+    return f"{why}: extend sweep.frontier.depths to {'deeper' if deeper else 'shallower'} shapes"
+
+
+def bootstrap_vertices(x: np.ndarray, y: np.ndarray, resamples: int, seed: int) -> np.ndarray:
+    """Each resample's parabola minimum (x, y), skipping degenerate ones: how far the optimum moves with the points."""
+    rng = np.random.default_rng(seed)
+    found = []
+    for _ in range(resamples):
+        pick = rng.integers(0, len(x), len(x))
+        if len(set(pick.tolist())) < MIN_SHAPES:
+            continue
+        coefficients = np.polyfit(x[pick], y[pick], 2)
+        if coefficients[0] > 0:
+            found.append(vertex(coefficients))
+    return np.array(found, dtype=float).reshape(-1, 2)
+
+
+def fit(points: list[Point], resamples: int = RESAMPLES, seed: int = 0) -> Fit:
+    """The parabola through the shapes' best points: its minimum is the optimal size for the budget."""
+    if len(points) < MIN_SHAPES:
+        return Fit(problem=f"the fit needs {MIN_SHAPES} shapes, {len(points)} finished")
+    x, y = np.log([p.params for p in points]), np.array([p.val_bpb for p in points], dtype=float)
+    coefficients = tuple(float(c) for c in np.polyfit(x, y, 2))
+    problem = vertex_problem(coefficients, x.min(), x.max())
+    if problem:
+        return Fit(coefficients, problem=problem)
+    best_x, best_y = vertex(coefficients)
+    vertices = bootstrap_vertices(x, y, resamples, seed)
+    interval = val_bpb_interval = None
+    if len(vertices):
+        low, high = np.percentile(vertices, [2.5, 97.5], axis=0)
+        with np.errstate(over="ignore"):  # a nearly flat resample's minimum is far out: its bound is inf
+            interval = float(np.exp(low[0])), float(np.exp(high[0]))
+        val_bpb_interval = float(low[1]), float(high[1])
+    return Fit(coefficients, math.exp(best_x), interval, best_y, val_bpb_interval, len(vertices))
+
+
+def speed_curve(trials: list) -> tuple[float, float] | None:
+    """ln(tokens/s) against ln(params), a line over a budget's trials: turns an optimal size into the tokens it sees."""
+    done = finished(trials)
+    params = np.log([t.user_attrs["params"] for t in done])
+    if len(set(params.tolist())) < 2:
+        return None
+    slope, intercept = np.polyfit(params, np.log([t.user_attrs["tokens_per_second"] for t in done]), 1)
+    return float(slope), float(intercept)
+
+
+def tokens_at(speed: tuple[float, float], params: float, seconds: float) -> float:
+    """The tokens a model of that size trains on in the budget, at this device's fitted speed."""
+    slope, intercept = speed
+    return math.exp(intercept + slope * math.log(params)) * seconds
+
+
+def nearest(points: list[Point], params: float) -> Point:
+    """The swept shape closest to the optimum in ln(params): one known to train, at its tuned scale."""
+    return min(points, key=lambda p: abs(math.log(p.params / params)))
+
+
+def key_of(override: str) -> str:
+    """An override's key, whether given as key=, +key= or ++key=, so the command sets each key once."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def overrides_for(point: Point, shape: dict, seconds: float) -> list[str]:
+    """The trial's overrides with shape, lr_scale and budget set: its other settings stay as the sweep gave them."""
+    chosen = {**shape, LR_SCALE: point.lr_scale, BUDGET: seconds}
+    return [o for o in point.overrides if key_of(o) not in chosen] + [f"{k}={v}" for k, v in chosen.items()]
+
+
+def power_law(budgets: list[float], values: list[float]) -> tuple[float, float]:
+    """value = prefactor * budget^exponent, least squares in log-log: how an optimum grows with the budget."""
+    exponent, log_prefactor = np.polyfit(np.log(budgets), np.log(values), 1)
+    return float(exponent), math.exp(log_prefactor)
+
+
+def analyse_budget(frontier: dict, trials: list, seconds: float) -> BudgetFit:
+    """One budget's fit and, where it has an optimum, the tokens it sees and the nearest shape's command."""
+    points = best_points(trials)
+    found, speed = fit(points), speed_curve(trials)
+    if found.optimum is None:
+        return BudgetFit(seconds, trials, points, found, speed)
+    closest = nearest(points, found.optimum)
+    shape = frontier["shapes"].get(str(closest.depth), {DEPTH: closest.depth})
+    command = "python -m frontier.train " + " ".join(overrides_for(closest, shape, seconds))
+    tokens = tokens_at(speed, found.optimum, seconds) if speed else None
+    return BudgetFit(seconds, trials, points, found, speed, tokens, closest, command)
+
+
+def analyse(study: optuna.Study) -> list[BudgetFit]:
+    """Every budget of the `frontier` user attribute, in its order, finished or not."""
+    frontier = study.user_attrs["frontier"]
+    trials = search_trials(study)
+    return [analyse_budget(frontier, at_budget(trials, float(s)), float(s)) for s in frontier["budgets"]]
+
+
+def scaling(fits: list[BudgetFit]) -> dict | None:
+    """N_opt ∝ T^a and D_opt ∝ T^b over the budgets with an optimum, and both at the competition's budgets."""
+    found = [f for f in fits if f.fit.optimum is not None and f.tokens is not None]
+    if len(found) < 2:
+        return None
+    budgets = [f.seconds for f in found]
+    a, params_at_1s = power_law(budgets, [f.fit.optimum for f in found])
+    b, tokens_at_1s = power_law(budgets, [f.tokens for f in found])
+    return {"budgets": budgets, "params_exponent": a, "tokens_exponent": b,
+            "extrapolated": {name: {"seconds": s, "params": params_at_1s * s ** a, "tokens": tokens_at_1s * s ** b}
+                             for name, s in COMPETITION.items()}}
+
+
+def summary(study: optuna.Study) -> dict | None:
+    """The report's numbers (per budget the optimum, interval and command; the scaling) for callers to log."""
+    if not study.user_attrs.get("frontier"):
+        return None
+    fits = analyse(study)
+    budgets = {f.seconds: {"optimum_params": f.fit.optimum, "interval": f.fit.interval, "val_bpb": f.fit.val_bpb,
+                           "val_bpb_interval": f.fit.val_bpb_interval, "tokens": f.tokens, "command": f.command,
+                           "problem": f.fit.problem} for f in fits}
+    return {"budgets": budgets, "scaling": scaling(fits)}
+
+
+# -----------------------------------------------------------------------------
+# The report's section
+
+
+def count(n: float) -> str:
+    """1234567 -> 1.23M: sizes and token counts to read, not to count."""
+    if not math.isfinite(n):
+        return "inf"
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
+def missing_line(frontier: dict, budget: BudgetFit) -> str | None:
+    """What a budget still lacks, so an unfinished sweep reads as unfinished rather than as a result."""
+    depths, scales = frontier["depths"], frontier["lr_scales"]
+    done = [p.depth for p in budget.points]
+    states = Counter(t.state.name.lower() for t in budget.trials if t.state != TrialState.COMPLETE)
+    started = {(t.params.get(DEPTH), t.params.get(LR_SCALE)) for t in budget.trials}
+    unstarted = sum((d, s) not in started for d in depths for s in scales)
+    if len(done) == len(depths) and not states and not unstarted:
+        return None
+    parts = [f"{len(done)} of {len(depths)} shapes finished"
+             + (f" (depths {', '.join(map(str, done))})" if done else "")]
+    if states:
+        parts.append(", ".join(f"{n} trial(s) {state}" for state, n in sorted(states.items())))
+    if unstarted:
+        parts.append(f"{unstarted} of {len(depths) * len(scales)} grid points (depth x lr_scale) not started")
+    if len(done) < MIN_SHAPES:
+        parts.append(f"the fit needs {MIN_SHAPES}")
+    return f"budget {budget.seconds:g} s: " + "; ".join(parts)
+
+
+def shape_table(frontier: dict, budget: BudgetFit) -> list[str]:
+    """The points the fit runs through, so a reader can check it against the measurements."""
+    lines = ["| depth | d_model | n_head | params | best lr_scale | val_bpb | tokens seen | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in budget.points:
+        shape = frontier["shapes"].get(str(p.depth), {})
+        lines.append(f"| {p.depth} | {shape.get('model.d_model', '')} | {shape.get('model.n_head', '')} | "
+                     f"{count(p.params)} | {p.lr_scale:g} | {p.val_bpb:.4f} | {count(p.tokens_seen)} | "
+                     f"{p.tokens_per_second:,.0f} |")
+    return lines + [""]
+
+
+def optimum_lines(budget: BudgetFit) -> list[str]:
+    """The optimum with its uncertainty, its tokens and a command for the nearest shape; or why there is none."""
+    found = budget.fit
+    if found.optimum is None:
+        return [f"**No optimum**: {found.problem}.", ""]
+    lines = [f"**Optimum: {count(found.optimum)} params**"
+             + (f" (95% interval {count(found.interval[0])}-{count(found.interval[1])}, from {found.resamples} "
+                f"of {RESAMPLES} bootstrap resamples)" if found.interval else "")
+             + f", predicted val_bpb {found.val_bpb:.4f}"
+             + (f" ({found.val_bpb_interval[0]:.4f}-{found.val_bpb_interval[1]:.4f})"
+                if found.val_bpb_interval else "") + "."]
+    if budget.tokens is not None:
+        lines[0] += (f" At this device's speed (tokens/s ∝ params^{budget.speed[0]:.2f}) it sees "
+                     f"{count(budget.tokens)} tokens in {budget.seconds:g} s, "
+                     f"{budget.tokens / found.optimum:.2g} per parameter.")
+    shape = budget.nearest
+    lines += ["", f"The nearest shape swept is depth {shape.depth} ({count(shape.params)} params), best at "
+              f"optim.lr_scale={shape.lr_scale}:", "", "```", budget.command, "```", ""]
+    return lines
+
+
+def budget_lines(frontier: dict, budget: BudgetFit) -> list[str]:
+    """One budget's subsection: what is missing first, so a partial table is not read as the result."""
+    lines = [f"### Budget {budget.seconds:g} s", ""]
+    missing = missing_line(frontier, budget)
+    if missing:
+        lines += [f"**Unfinished** {missing}.", ""]
+    if budget.points:
+        lines += shape_table(frontier, budget)
+    if budget.fit.coefficients is None and missing:  # the line above already says the fit needs more shapes
+        return lines
+    return lines + optimum_lines(budget)
+
+
+def scaling_lines(law: dict, device: str) -> list[str]:
+    """The power laws and their extrapolation, labelled as such: no sweep measured those budgets."""
+    swept = ", ".join(f"{s:g}" for s in law["budgets"])
+    lines = ["### Across budgets", "",
+             f"Over the budgets {swept} s: N_opt ∝ T^{law['params_exponent']:.2f} and "
+             f"D_opt ∝ T^{law['tokens_exponent']:.2f} (least squares in log-log).", "",
+             f"**Extrapolated** to the competition's budgets on this device ({device}), beyond the longest budget "
+             f"swept ({max(law['budgets']):g} s): an extrapolation, not a measurement; a sweep at that budget "
+             "tests it.", "",
+             "| budget | params (extrapolated) | tokens (extrapolated) |", "|---|---|---|"]
+    lines += [f"| {name} ({e['seconds']:g} s) | {count(e['params'])} | {count(e['tokens'])} |"
+              for name, e in law["extrapolated"].items()]
+    return lines + [""]
+
+
+def report_lines(study: optuna.Study) -> list[str]:
+    """The report's frontier section (per budget, then across budgets); none for a study that is no frontier sweep."""
+    frontier = study.user_attrs.get("frontier")
+    if not frontier:
+        return []
+    fits = analyse(study)
+    lines = [TITLE, "",
+             f"Shapes along model.depth {', '.join(map(str, frontier['depths']))} (d_model = depth x "
+             f"{frontier['aspect_ratio']} rounded up to a multiple of {frontier['head_dim']}, n_head = d_model / "
+             f"{frontier['head_dim']}), each at optim.lr_scale {', '.join(f'{s:g}' for s in frontier['lr_scales'])}, "
+             f"on {frontier['device']}. At each budget a parabola in ln(params) through each shape's best val_bpb "
+             f"gives the optimal size; its interval is the 2.5-97.5 percentiles over {RESAMPLES} bootstrap "
+             "resamples of the shapes.", ""]
+    for budget in fits:
+        lines += budget_lines(frontier, budget)
+    law = scaling(fits)
+    if law:
+        lines += scaling_lines(law, frontier["device"])
+    elif len(fits) > 1:
+        lines += [f"Across budgets: the scaling needs an optimum at two budgets or more "
+                  f"({sum(f.fit.optimum is not None for f in fits)} so far).", ""]
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# The plots
+
+
+def error_bar(value: float, interval: tuple[float, float] | None) -> list[list[float]]:
+    """matplotlib's (below, above) lengths; a percentile interval need not hold the point estimate."""
+    low, high = interval or (value, value)
+    return [[max(value - low, 0.0)], [max(high - value, 0.0)]]
+
+
+def plot_frontier(fits: list[BudgetFit], title: str, path: Path) -> None:
+    """val_bpb against params per budget: every trial faint, each shape's best, the fit, its minimum and interval."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, budget in enumerate(fits):
+        color = f"C{i}"
+        done = finished(budget.trials)
+        ax.scatter([t.user_attrs["params"] for t in done], [t.value for t in done], color=color, alpha=0.2, s=12)
+        ax.plot([p.params for p in budget.points], [p.val_bpb for p in budget.points], "o", color=color,
+                label=f"{budget.seconds:g} s: best lr_scale per shape")
+        found = budget.fit
+        if found.coefficients:
+            x = np.linspace(*np.log([budget.points[0].params, budget.points[-1].params]), 100)
+            ax.plot(np.exp(x), np.polyval(found.coefficients, x), color=color, lw=1)
+        if found.optimum is not None:
+            ax.errorbar([found.optimum], [found.val_bpb], xerr=error_bar(found.optimum, found.interval),
+                        yerr=error_bar(found.val_bpb, found.val_bpb_interval), fmt="*", ms=14, color=color,
+                        capsize=4, label=f"{budget.seconds:g} s: optimum, 95% interval")
+    ax.set_xscale("log")
+    ax.set_xlabel("params")
+    ax.set_ylabel("val_bpb (lower is better)")
+    ax.set_title(f"{title}: val_bpb by model size (faint: every finished trial)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speed(fits: list[BudgetFit], title: str, path: Path) -> None:
+    """tokens/s against params, log-log: this device's own speed curve, which sets an optimum's tokens."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, budget in enumerate(fits):
+        done = finished(budget.trials)
+        if not done:
+            continue
+        params = [t.user_attrs["params"] for t in done]
+        ax.scatter(params, [t.user_attrs["tokens_per_second"] for t in done], color=f"C{i}", alpha=0.6, s=15,
+                   label=f"{budget.seconds:g} s")
+        if budget.speed:
+            slope, intercept = budget.speed
+            x = np.linspace(*np.log([min(params), max(params)]), 50)
+            ax.plot(np.exp(x), np.exp(intercept + slope * x), color=f"C{i}", lw=1,
+                    label=f"{budget.seconds:g} s: tokens/s ∝ params^{slope:.2f}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("params")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{title}: this device's speed by model size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(study: optuna.Study, out_dir: Path) -> list[Path]:
+    """frontier.png and speed.png, once a trial has finished; none for a study that is not a frontier sweep."""
+    if not study.user_attrs.get("frontier"):
+        return []
+    fits = analyse(study)
+    if not any(budget.points for budget in fits):
+        return []
+    paths = [out_dir / "frontier.png", out_dir / "speed.png"]
+    plot_frontier(fits, study.study_name, paths[0])
+    plot_speed(fits, study.study_name, paths[1])
+    return paths
