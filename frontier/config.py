@@ -390,10 +390,10 @@ class FrontierConfig:
     """The family of shapes a frontier sweep trains: depth grows, d_model = depth x aspect_ratio rounded
     up to whole heads of head_dim, crossed with a bracket of learning-rate scales (sweeps/frontier.yaml)."""
 
-    depths: Optional[list[int]] = None  # null: sized to the device (CPU 2 ... 12, accelerators 6 ... 16, by 2)
+    depths: Optional[list[int]] = None  # null: sized to the device (CPU 1, 2, 3, 4, 6, 8; accelerators 6 ... 16 by 2)
     aspect_ratio: Optional[int] = None  # null: the composed model's d_model / depth
-    head_dim: Optional[int] = None  # null: the composed model's head size
-    lr_scales: list[float] = field(default_factory=lambda: [0.5, 1.0])  # optim.lr_scale of each shape's runs
+    head_dim: Optional[int] = None  # null: 32 on a CPU, else the composed model's head size
+    lr_scales: list[float] = field(default_factory=lambda: [0.7, 1.4])  # optim.lr_scale of each shape's runs
 
     def __post_init__(self) -> None:
         if self.depths is not None:

@@ -16,7 +16,9 @@ from frontier.config import ConfigError, FrontierConfig
 
 DEPTH, LR_SCALE, BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
 # Small depths where a CPU trains a shape in minutes; the competition's base region on accelerators.
-DEVICE_DEPTHS = {"cpu": [2, 4, 6, 8, 10, 12], "accelerator": [6, 8, 10, 12, 14, 16]}
+DEVICE_DEPTHS = {"cpu": [1, 2, 3, 4, 6, 8], "accelerator": [6, 8, 10, 12, 14, 16]}
+# A CPU's optimum at minutes of training lies at widths of 32 to 128: heads of 32 keep each width whole.
+CPU_HEAD_DIM = 32
 BYTES_PER_PARAM = 16  # fp32 weights, gradients and two optimizer moments
 
 
@@ -57,10 +59,10 @@ class Family:
 
 def family(frontier: FrontierConfig, budgets: list[float] | None, model, budget_seconds: float,
            device_kind: str) -> Family:
-    """The family for this command: the given settings, else the composed model's aspect ratio and head
-    size and the device's depths."""
-    head_dim = model.head_dim or model.d_model // model.n_head
+    """The family for this command: the given settings, else the device's depths, the composed model's
+    aspect ratio, and its head size (on a CPU, CPU_HEAD_DIM)."""
     kind = "cpu" if device_kind == "cpu" else "accelerator"
+    head_dim = CPU_HEAD_DIM if kind == "cpu" else model.head_dim or model.d_model // model.n_head
     return Family(depths=sorted(frontier.depths or DEVICE_DEPTHS[kind]),
                   aspect_ratio=frontier.aspect_ratio or max(1, round(model.d_model / model.depth)),
                   head_dim=frontier.head_dim or head_dim, lr_scales=sorted(frontier.lr_scales),

@@ -462,6 +462,16 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if report.get("time"):
             metrics["training_share"] = report["time"]["training_share"]
             log.info(f"training share {report['time']['training_share']:.0%} of the sweep's trial time; see {out}")
+        for seconds, fit in ((report.get("frontier") or {}).get("budgets") or {}).items():
+            if fit["problem"]:
+                log.info(f"frontier at {seconds:g} s: {fit['problem']}; see {out}")
+                continue
+            metrics[f"frontier_optimum_params_{seconds:g}s"] = fit["optimum_params"]
+            metrics[f"frontier_val_bpb_{seconds:g}s"] = fit["val_bpb"]
+            low, high = fit["interval"]
+            log.info(f"frontier at {seconds:g} s: the optimum is {fit['optimum_params']:,.0f} parameters "
+                     f"({low:,.0f} ... {high:,.0f}), predicted val_bpb {fit['val_bpb']:.4f}; the nearest shape: "
+                     f"{fit['command']}")
         confirmed = report.get("confirmation") or {}
         if confirmed.get("winner"):
             winner, base = confirmed["winner"], confirmed["baseline"]
