@@ -110,6 +110,17 @@ class Device:
         return entry["flops"], describe_measurement(entry)
 
 
+def peak_figures(device: Device) -> dict:
+    """The rate mfu is taken against, and where that is a nominal peak (an accelerator) the matmul rate
+    measured here beside it: a run's own figure to compare with when the nominal peak is out of reach."""
+    peak, source = device.peak_flops()
+    figures = {"peak_flops": peak, "peak_flops_source": source}
+    if device.nominal_peak_flops() is not None:
+        entry = matmul_rate(device, device.precision)
+        figures.update(measured_matmul_flops=entry["flops"], measured_matmul_source=describe_measurement(entry))
+    return figures
+
+
 def device_kind(name: str) -> str:
     """cpu, cuda or neuron: what `device=name` runs on here (`auto` picks cuda, then neuron, then cpu);
     a device this machine lacks is a ConfigError. Nothing is started."""

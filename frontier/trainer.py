@@ -24,7 +24,7 @@ from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, wr
 from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
 from frontier.core import check_bundle, core_metrics
 from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
-from frontier.device import Device, device_kind, resolve_device
+from frontier.device import Device, device_kind, peak_figures, resolve_device
 from frontier.distributed import World, init_world
 from frontier.evaluate import val_bpb
 from frontier.lifecycle import Lifecycle, RunInfo
@@ -199,7 +199,6 @@ def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
 def describe(run: Run) -> dict:
     """Static facts of the run: sizes, cost per token, the device, its precision and peak rate."""
     params = run.model.num_params()
-    peak, peak_source = run.device.peak_flops()
     return {
         "params": params["total"],
         "params_embedding": params["embedding"],
@@ -209,8 +208,7 @@ def describe(run: Run) -> dict:
         "device": run.device.name,
         "precision": run.device.precision,
         "precision_reason": getattr(run.device, "precision_reason", ""),
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
+        **peak_figures(run.device),
         "torch": torch.__version__,
         "host": socket.gethostname(),
         "budget": run.config.budget.name,

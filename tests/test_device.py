@@ -9,7 +9,7 @@ import torch
 
 from frontier import device as device_module
 from frontier.config import ConfigError
-from frontier.device import bf16_native, matmul_rate, mfu_note, resolve_device
+from frontier.device import bf16_native, matmul_rate, mfu_note, peak_figures, resolve_device
 
 
 @pytest.fixture
@@ -148,6 +148,19 @@ def test_the_peak_is_measured_once_and_cached_with_its_date_and_load(peak_cache,
     matmul_rate(device, "fp32", refresh=True)  # what frontier.bench does
     assert len(measured) == 4
     assert not list(peak_cache.parent.glob("*.tmp*"))  # written atomically
+
+
+def test_mfu_is_against_a_nominal_peak_where_one_is_published_with_the_measured_rate_beside_it(peak_cache):
+    cpu = device_module.Device(torch.device("cpu"), "cpu", "cpu", "bf16")
+    fake_rates(peak_cache, cpu, bf16=60e9, fp32=30e9)
+    assert peak_figures(cpu) == {"peak_flops": 60e9, "peak_flops_source": device_module.describe_measurement(
+        json.loads(peak_cache.read_text())[device_module.rate_key(cpu, "bf16")])}  # a CPU has only its measurement
+    named = device_module.Device(torch.device("cpu"), "cpu", "NVIDIA H200", "bf16")  # as a GPU's name reads
+    fake_rates(peak_cache, named, bf16=700e12, fp32=400e12)
+    figures = peak_figures(named)
+    assert figures["peak_flops"] == device_module.NOMINAL_PEAK_FLOPS["H200"]
+    assert figures["peak_flops_source"] == "nominal bf16 peak of NVIDIA H200"
+    assert figures["measured_matmul_flops"] == 700e12 and "measured 2026-01-02" in figures["measured_matmul_source"]
 
 
 def test_a_damaged_cache_is_measured_again(peak_cache, monkeypatch):

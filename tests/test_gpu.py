@@ -154,3 +154,19 @@ def test_the_gpu_check_dry_runs_on_a_machine_without_cuda(tmp_path):
         assert part["status"] == "skipped" and "needs a CUDA GPU" in part["reason"], (name, part)
         assert part["checked"]["ok"], (name, part["checked"])  # what a CPU can check of it passed
     assert f"{parts['gpu_tests']['checked']['skipped']} skipped" in result.stdout
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_gpu_run_records_the_nominal_peak_and_the_matmul_rate_measured_beside_it(tmp_path, monkeypatch):
+    from frontier import device as device_module
+    from frontier.device import peak_figures, resolve_device
+
+    monkeypatch.setattr(device_module, "PEAK_CACHE", tmp_path / "peak_flops.json")
+    gpu = resolve_device("cuda", "bf16")
+    figures = peak_figures(gpu)
+    if gpu.nominal_peak_flops() is None:
+        pytest.skip(f"no nominal peak is published here for {gpu.name}")
+    assert figures["peak_flops"] == gpu.nominal_peak_flops()
+    # a dense bf16 matmul reaches a large share of the nominal peak, and never far above it
+    assert 0.2 * figures["peak_flops"] < figures["measured_matmul_flops"] < 1.2 * figures["peak_flops"], figures
