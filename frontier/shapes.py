@@ -298,6 +298,19 @@ def optimum_lines(budget: BudgetFit) -> list[str]:
     return lines
 
 
+def bracket_line(frontier: dict, budget: BudgetFit) -> str | None:
+    """A warning when every shape did best at one end of the learning-rate bracket: each point's rate is
+    then not tuned, and the fit compares shapes at rates that may all be off."""
+    scales = sorted(frontier["lr_scales"])
+    best = {p.lr_scale for p in budget.points}
+    if len(scales) < 2 or len(budget.points) < MIN_SHAPES or len(best) != 1 or best.pop() not in (scales[0], scales[-1]):
+        return None
+    edge, which, way = ((scales[-1], "largest", "a larger") if budget.points[0].lr_scale == scales[-1]
+                        else (scales[0], "smallest", "a smaller"))
+    return (f"**Note**: every shape did best at the {which} optim.lr_scale swept ({edge:g}): the best rates may lie "
+            f"beyond it; add {way} scale to sweep.frontier.lr_scales.")
+
+
 def budget_lines(frontier: dict, budget: BudgetFit) -> list[str]:
     """One budget's subsection: what is missing first, so a partial table is not read as the result."""
     lines = [f"### Budget {budget.seconds:g} s", ""]
@@ -306,6 +319,9 @@ def budget_lines(frontier: dict, budget: BudgetFit) -> list[str]:
         lines += [f"**Unfinished** {missing}.", ""]
     if budget.points:
         lines += shape_table(frontier, budget)
+    bracket = bracket_line(frontier, budget)
+    if bracket:
+        lines += [bracket, ""]
     if budget.fit.coefficients is None and missing:  # the line above already says the fit needs more shapes
         return lines
     return lines + optimum_lines(budget)

@@ -17,6 +17,9 @@ from frontier.optim import build_optimizers
 from frontier.trainer import Run, train_step
 from tests.conftest import compose_config
 
+# one worker builds this module's fixtures once (the reference runs): pytest-xdist --dist loadgroup
+pytestmark = pytest.mark.xdist_group("test_compiled_parity")
+
 VOCAB, STEPS = 512, 10
 OVERRIDES = ["model=tiny", "precision=fp32", "seed=3", "model.seq_len=64", "model.d_model=64",
              "model.value_embed_layers=[1,3]", "model.layer_scalars=true",

@@ -10,6 +10,9 @@ from frontier.progress import RunDisplay
 from frontier.trainer import train
 from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli
 
+# one worker builds this module's fixtures once (a trained run): pytest-xdist --dist loadgroup
+pytestmark = pytest.mark.xdist_group("test_eval_cli")
+
 BUNDLE = SHARED / "data" / "core"
 
 

@@ -10,6 +10,9 @@ import pytest
 
 from tests.conftest import ROOT, SHARED
 
+# one worker builds this module's fixtures once (a venv with the wheel installed): pytest-xdist --dist loadgroup
+pytestmark = pytest.mark.xdist_group("test_install")
+
 SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=512", "data.tokenizer_train_chars=300000",
          "eval.checkpoint_tokens=2048", "eval.final_tokens=4096", "budget.max_steps=2"]
 

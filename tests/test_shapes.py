@@ -143,6 +143,14 @@ def test_the_report_of_a_frontier_sweep_gives_the_optimum_its_command_and_plots(
     assert "**Extrapolated** to the competition's budgets" in text and "| phase 2 (14400 s) |" in text
     for name in ("frontier.png", "speed.png"):
         assert tmp_path / name in report["files"] and (tmp_path / name).stat().st_size > 0
+    assert "**Note**: every shape did best" not in text  # deep shapes preferred the smaller scale
+
+
+def test_a_bracket_every_shape_tops_out_at_says_which_way_to_extend_the_learning_rates(tmp_path):
+    trials = [grid_trial(d, s, 60.0) for d in DEPTHS for s in LR_SCALES if d < 6 or s == 1.0]  # best at 1.0
+    text = write_report(frontier_study(trials), tmp_path)["text"]
+    assert ("**Note**: every shape did best at the largest optim.lr_scale swept (1): the best rates may lie "
+            "beyond it; add a larger scale to sweep.frontier.lr_scales.") in text
 
 
 def test_the_report_of_an_unfinished_frontier_sweep_says_what_is_missing(tmp_path):

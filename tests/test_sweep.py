@@ -29,6 +29,9 @@ from optuna.trial import TrialState
 from frontier.config import ConfigError
 from frontier.study import STALE_REASON, Process, open_storage, settle_orphans
 
+# one worker builds this module's fixtures once (tpe_sweep, two sweeps): pytest-xdist --dist loadgroup
+pytestmark = pytest.mark.xdist_group("test_sweep")
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000",
