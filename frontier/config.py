@@ -88,15 +88,15 @@ def _fraction(key: str, value: float) -> None:
 
 @dataclass
 class ModelConfig:
-    name: str = "base"
-    depth: int = 10
-    d_model: int = 640
-    n_head: int = 5
-    seq_len: int = 1024
+    name: str = "base"  # the preset's name (recorded with the run)
+    depth: int = 10  # transformer blocks
+    d_model: int = 640  # width of the residual stream
+    n_head: int = 5  # query heads
+    seq_len: int = 1024  # tokens per training row (the context length)
     # attention
     n_kv_head: Optional[int] = None  # key/value heads shared by groups of query heads (GQA); null = n_head
     head_dim: Optional[int] = None  # null = d_model / n_head
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # rotary embedding base
     qk_norm: bool = True  # RMSNorm on q and k after rotary
     window_pattern: str = "L"  # per layer, tiled over depth: S = sliding window, L = full; the last layer is L
     short_window: float = 0.5  # an S layer attends to the last short_window * seq_len tokens
@@ -113,8 +113,9 @@ class ModelConfig:
     mtp_heads: int = 0  # extra training-only heads predicting tokens t+2 ... t+1+mtp_heads
     mtp_weights: list[float] = field(default_factory=list)  # loss weight of each extra head
     # initialisation
-    embed_std: float = 1.0
-    head_std: float = 0.001
+    embed_std: float = 1.0  # standard deviation of the token embedding at initialisation
+    head_std: float = 0.001  # standard deviation of the head at initialisation
+    # attention and MLP output projections start at zero (each block starts as the identity)
     zero_init_proj: bool = True
 
     def __post_init__(self) -> None:
@@ -164,16 +165,16 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     name: str = "muon"  # muon: Muon for block matrices + AdamW for the rest; adamw: AdamW for all
-    matrix_lr: float = 0.04
-    embedding_lr: float = 0.6
-    unembedding_lr: float = 0.004
+    matrix_lr: float = 0.04  # learning rate of the block matrices (Muon, or AdamW with optim=adamw)
+    embedding_lr: float = 0.6  # AdamW learning rate of the token and value embeddings
+    unembedding_lr: float = 0.004  # AdamW learning rate of the head
     scalar_lr: float = 0.5  # per-layer scalars (model.layer_scalars), AdamW
     lr_scale: float = 1.0  # multiplies every group's learning rate: one knob for the whole set (sweep=frontier)
     weight_decay: float = 0.2  # decoupled, on the block matrices only
-    adam_betas: list[float] = field(default_factory=lambda: [0.8, 0.95])
-    adam_eps: float = 1e-10
+    adam_betas: list[float] = field(default_factory=lambda: [0.8, 0.95])  # AdamW's (beta1, beta2)
+    adam_eps: float = 1e-10  # AdamW's epsilon
     ns_coefficients: str = "polar_express"  # Newton-Schulz coefficients: classic | polar_express
-    ns_steps: int = 5
+    ns_steps: int = 5  # Newton-Schulz iterations per Muon update
     ns_dtype: str = "auto"  # Newton-Schulz arithmetic: auto (bf16 where the device has it natively) | bf16 | fp32
 
     def __post_init__(self) -> None:
@@ -195,12 +196,12 @@ class ScheduleConfig:
     """Learning-rate and momentum schedules, all functions of budget progress in [0, 1]."""
 
     name: str = "wsd"  # wsd | cosine | constant
-    warmup_fraction: float = 0.0
+    warmup_fraction: float = 0.0  # fraction of the budget over which the learning rate warms up from 0
     warmdown_fraction: float = 0.5  # wsd only: the last fraction of the budget decays linearly
-    final_lr_fraction: float = 0.0
+    final_lr_fraction: float = 0.0  # the learning rate at the end, as a fraction of the peak
     momentum_start: float = 0.85  # Muon momentum warms up from start to end
-    momentum_end: float = 0.95
-    momentum_warmup_fraction: float = 0.1
+    momentum_end: float = 0.95  # Muon's momentum after its warm-up
+    momentum_warmup_fraction: float = 0.1  # fraction of the budget over which Muon's momentum warms up
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, ("wsd", "cosine", "constant"))
@@ -256,10 +257,10 @@ class BudgetConfig:
     """What is charged: training-step time after the first `excluded_steps` (compilation),
     whose time is forgiven up to `startup_cap_seconds`. Evaluation is never charged."""
 
-    name: str = "phase1"
-    seconds: float = 1800.0
-    excluded_steps: int = 5
-    startup_cap_seconds: float = 900.0
+    name: str = "phase1"  # the preset's name (recorded with the run)
+    seconds: float = 1800.0  # charged seconds of training
+    excluded_steps: int = 5  # the first steps of each launch (compilation) are not charged, up to startup_cap_seconds
+    startup_cap_seconds: float = 900.0  # at most this much of the excluded steps' time is forgiven per launch
     max_steps: Optional[int] = None  # also stop after this many steps; progress then = step/max_steps
 
     def __post_init__(self) -> None:
@@ -273,17 +274,17 @@ class BudgetConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "local"
+    name: str = "local"  # the preset's name (recorded with the run)
     source: str = "local"  # local: files under `path`; hub: parquet shards of a Hugging Face dataset
     path: Optional[str] = None  # local: a directory of .parquet/.jsonl/.txt files, or one file
     hub_repo: Optional[str] = None  # hub: dataset repo with shard_%05d.parquet files
     hub_last_shard: int = 0  # hub: index of the last shard, which is the validation split
     train_shards: int = 8  # hub: how many training shards to download and use
-    text_column: str = "text"
+    text_column: str = "text"  # the column of a parquet or .jsonl file that holds the text
     val_fraction: float = 0.1  # a single .txt/.jsonl file: the tail held out for validation
     vocab_size: int = 8192  # BPE merges + byte tokens; a BOS token is added on top
     tokenizer_path: Optional[str] = None  # an existing tokenizer.json instead of training one
-    tokenizer_train_chars: int = 100_000_000
+    tokenizer_train_chars: int = 100_000_000  # characters of the training split the tokenizer is trained on
     cache_dir: str = ".cache"  # a relative path is taken from paths.home
 
     def __post_init__(self) -> None:
@@ -335,9 +336,10 @@ class EvalConfig:
     checkpoint_tokens: Optional[int] = None
     # tokens of the final evaluation (capped by the split); null: sized to the device and budget
     final_tokens: Optional[int] = None
-    batch_rows: int = 8
+    batch_rows: int = 8  # rows per forward pass during evaluation
     core: bool = False  # CORE after training, outside the budget
     core_bundle: str = "${oc.select:paths.data,${frontier.data:}}/core"  # paths.data, or frontier/paths.py alone
+    # CORE on at most this many items per task (the first after the fixed shuffle); null = every item
     core_max_per_task: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -352,12 +354,12 @@ class EvalConfig:
 
 @dataclass
 class TrackingConfig:
-    enabled: bool = True
+    enabled: bool = True  # record the run in MLflow
     uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///<root>/mlruns/mlflow.db
-    experiment: str = "frontier"
+    experiment: str = "frontier"  # the MLflow experiment runs go to
     required: bool = True  # an unreachable store stops the run before training
-    log_checkpoint: bool = False
-    run_name: Optional[str] = None
+    log_checkpoint: bool = False  # also upload final.pt as an MLflow artifact
+    run_name: Optional[str] = None  # the MLflow run's name
     parent_run_id: Optional[str] = None  # set by the sweeper: trials are nested under the sweep's run
     flush_seconds: float = 10.0  # at the end, how long to wait for the store; the rest is left to `sync`
 
@@ -373,9 +375,9 @@ class TrackingConfig:
 class TrialConfig:
     """Set by the sweeper: which Optuna trial this job reports to."""
 
-    study: Optional[str] = None
-    storage: Optional[str] = None
-    number: Optional[int] = None
+    study: Optional[str] = None  # the Optuna study this run is a trial of
+    storage: Optional[str] = None  # that study's storage
+    number: Optional[int] = None  # the trial's number in the study
     heartbeat_interval: Optional[int] = None  # seconds between the trial's heartbeats (null: none)
     grace_period: float = 120.0  # a driver on another machine silent this long is gone
 
@@ -415,7 +417,7 @@ class SweepConfig:
     """A budgeted Optuna search: `--multirun sweep=NAME` (presets in sweeps/, run by
     hydra_plugins/frontier_sweeper). Checkpoint k is the k-th `eval.every_fraction` of the budget."""
 
-    name: str = "custom"
+    name: str = "custom"  # the preset's name; the study's default name
     # key -> Hydra sweep syntax: choice(a, b), range(lo, hi, step), interval(lo, hi),
     # tag(log, interval(lo, hi)); a plain value is passed to every trial
     params: dict[str, str] = field(default_factory=dict)
@@ -427,7 +429,7 @@ class SweepConfig:
     devices_per_trial: int = 1  # > 1: each trial is a torchrun job over that many devices (or CPU processes)
     max_failures: int = 10  # this command starts no new trial once more trials than this have failed
     sampler: str = "tpe"  # tpe | random | grid | cmaes | gp
-    seed: Optional[int] = 0
+    seed: Optional[int] = 0  # the sampler's seed: trial N's sampler is seeded from it and N
     n_startup_trials: int = 10  # tpe, gp, cmaes: random trials before the model guides the search
     pruner: str = "hyperband"  # hyperband | successive_halving | median | none
     objective: str = "val_bpb"  # val_bpb | composite (phase-2 score as a loss) | pareto (val_bpb and core)
@@ -521,7 +523,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | neuron (a specific index like cuda:1 also works)
     precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32; bf16: autocast; fp32
     neuron_logical_cores: Optional[int] = None  # Trainium2: 2 pairs the 8 NeuronCores into 4 (LNC=2); 1 = all 8
-    seed: int = 1337
+    seed: int = 1337  # seeds the model's initialisation and the order of the training rows
     compile_only: bool = False  # build and compile the model, run the excluded steps, then exit
     resume: Optional[str] = None  # a run directory (or MLflow run id) to continue from its resume.pt
 

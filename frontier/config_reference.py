@@ -22,48 +22,6 @@ from omegaconf import OmegaConf
 
 from frontier import config, paths
 
-# What a key does, for fields the schema leaves without a comment.
-NOTES = {
-    "model.name": "the preset's name (recorded with the run)",
-    "model.depth": "transformer blocks",
-    "model.d_model": "width of the residual stream",
-    "model.n_head": "query heads",
-    "model.seq_len": "tokens per training row (the context length)",
-    "model.rope_base": "rotary embedding base",
-    "model.embed_std": "standard deviation of the token embedding at initialisation",
-    "model.head_std": "standard deviation of the head at initialisation",
-    "model.zero_init_proj": "attention and MLP output projections start at zero (each block starts as the identity)",
-    "optim.matrix_lr": "learning rate of the block matrices (Muon, or AdamW with optim=adamw)",
-    "optim.embedding_lr": "AdamW learning rate of the token and value embeddings",
-    "optim.unembedding_lr": "AdamW learning rate of the head",
-    "optim.adam_betas": "AdamW's (beta1, beta2)",
-    "optim.adam_eps": "AdamW's epsilon",
-    "optim.ns_steps": "Newton-Schulz iterations per Muon update",
-    "schedule.warmup_fraction": "fraction of the budget over which the learning rate warms up from 0",
-    "schedule.final_lr_fraction": "the learning rate at the end, as a fraction of the peak",
-    "schedule.momentum_end": "Muon's momentum after its warm-up",
-    "schedule.momentum_warmup_fraction": "fraction of the budget over which Muon's momentum warms up",
-    "budget.name": "the preset's name (recorded with the run)",
-    "budget.seconds": "charged seconds of training",
-    "budget.excluded_steps": "the first steps of each launch (compilation) are not charged, up to startup_cap_seconds",
-    "budget.startup_cap_seconds": "at most this much of the excluded steps' time is forgiven per launch",
-    "data.name": "the preset's name (recorded with the run)",
-    "data.text_column": "the column of a parquet or .jsonl file that holds the text",
-    "data.tokenizer_train_chars": "characters of the training split the tokenizer is trained on",
-    "eval.batch_rows": "rows per forward pass during evaluation",
-    "eval.core_max_per_task": "CORE on at most this many items per task (the first after the fixed shuffle); "
-                              "null = every item",
-    "tracking.enabled": "record the run in MLflow",
-    "tracking.experiment": "the MLflow experiment runs go to",
-    "tracking.log_checkpoint": "also upload final.pt as an MLflow artifact",
-    "tracking.run_name": "the MLflow run's name",
-    "trial.study": "the Optuna study this run is a trial of",
-    "trial.storage": "that study's storage",
-    "trial.number": "the trial's number in the study",
-    "seed": "seeds the model's initialisation and the order of the training rows",
-    "sweep.name": "the preset's name; the study's default name",
-    "sweep.seed": "the sampler's seed: trial N's sampler is seeded from it and N",
-}
 KERNEL_OP_NOTE = "this op's backend: reference | triton | nki, or null for the preset's choice"
 
 CHECKS = {"_require": 1, "_choice": 0, "_fraction": 0}  # check -> which argument names the key
@@ -253,7 +211,7 @@ def render() -> str:
         out += table(f.name, schema, ranges)
     out += ["## Root keys", "", "| key | type | default | allowed | what it does |", "|---|---|---|---|---|"]
     for name, f, annotation, comment in root:
-        out.append(row(name, f, annotation, ranges.get(name, []), comment or NOTES.get(name, "")))
+        out.append(row(name, f, annotation, ranges.get(name, []), comment))
     return "\n".join(out) + "\n"
 
 
@@ -269,7 +227,7 @@ def rows(prefix: str, schema: type, ranges: dict[str, list[str]]) -> list[str]:
     lines = []
     for f in fields(schema):
         key = f"{prefix}.{f.name}"
-        note = comments.get(f.name) or NOTES.get(key) or (KERNEL_OP_NOTE if f.name in config.KERNEL_OPS else "")
+        note = comments.get(f.name) or (KERNEL_OP_NOTE if f.name in config.KERNEL_OPS else "")
         lines.append(row(key, f, hints[f.name], ranges.get(key, []), note))
         nested = next((a for a in (hints[f.name], *typing.get_args(hints[f.name])) if is_dataclass(a)), None)
         if nested is not None:

@@ -69,14 +69,17 @@ class World:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def close(self) -> None:
-        """Leaves the group together: a rank that tore its connections down while a peer was still
-        writing (rank 0's checkpoint) could abort in gloo's teardown (SIGABRT at exit)."""
+    def close(self, together: bool = False) -> None:
+        """Leaves the group; `together` (a run all ranks ended at one agreed point) waits for the others
+        first: a rank that tore its connections down while a peer was still writing (rank 0's checkpoint)
+        could abort in gloo's teardown (SIGABRT at exit). Any other end leaves at once: a barrier there
+        could meet a peer's pending collective and hang."""
         if self.active and dist.is_initialized():
-            try:
-                dist.barrier()
-            except Exception:  # a peer already gone: nothing left to wait for
-                pass
+            if together:
+                try:
+                    dist.barrier()
+                except Exception:  # a peer already gone: nothing left to wait for
+                    pass
             dist.destroy_process_group()
 
 

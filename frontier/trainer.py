@@ -575,5 +575,5 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
             life.end(status, error)
         finally:
             display.table(summary)
-            plan.world.close()
+            plan.world.close(together=status in ("FINISHED", "COMPILED", "PRUNED"))  # every rank ended it
             lifecycle.disown(owner)

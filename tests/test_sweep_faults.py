@@ -635,7 +635,7 @@ def test_a_tracking_server_gone_when_the_sweep_ends_is_a_warning_and_sweep_repor
     storage = str(tmp_path / "study.journal")
     args = [*LONG, "tracking.enabled=true", f"tracking.uri={server.url}", "tracking.experiment=down",
             "tracking.flush_seconds=2", "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=down",
-            *(["sweep.trial_timeout=45"] if end == "finished" else [])]
+            *(["sweep.trial_timeout=30"] if end == "finished" else [])]
     try:
         driver = subprocess.Popen(driver_command(tmp_path / "out", *args), cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
