@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from omegaconf import open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from frontier.config import ConfigError, FrontierConfig
@@ -82,21 +81,16 @@ def check_space(space: dict, frontier: FrontierConfig | None, budgets: list[floa
                               "the params (or the command line) and set that instead")
 
 
-def check_fits(family_: Family, config) -> None:
+def check_fits(family_: Family, run) -> None:
     """Refuses a family whose largest shape cannot train on this device: its weights, gradients and
-    optimizer state alone above the device's memory. `config` composes that shape (Family.costliest)."""
+    optimizer state alone above the device's memory. `run` is that shape's config (Family.costliest)."""
     import torch
 
-    from frontier.config import to_config
     from frontier.model import GPT, Ops
 
     memory = device_memory(family_.device)
     if memory is None:
         return
-    raw = config.copy()
-    with open_dict(raw):
-        del raw["hydra"]  # the run's keys only
-    run = to_config(raw)
     with torch.device("meta"):
         params = GPT(run.model, run.data.vocab_size, Ops(run.kernel, family_.device)).num_params()["total"]
     if params * BYTES_PER_PARAM > memory:

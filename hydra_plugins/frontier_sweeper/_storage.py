@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import optuna
-from omegaconf import open_dict
+from omegaconf import DictConfig, open_dict
 from optuna.trial import TrialState
 
 from frontier.config import ConfigError, error_line
@@ -133,15 +133,11 @@ class StudyStorage:
     def sized_eval_tokens(self) -> tuple[int, int, str]:
         import torch
 
-        from frontier.config import to_config
         from frontier.device import resolve_device
         from frontier.model import Ops
         from frontier.trainer import eval_sizing
 
-        raw = self.sizing_config.copy()
-        with open_dict(raw):
-            del raw["hydra"]  # the run's keys only
-        config = to_config(raw)
+        config = run_config(self.sizing_config)
         device = resolve_device(config.device, config.precision, config.neuron_logical_cores)
         threads = torch.get_num_threads()
         slot_threads = self.slots[0].env.get("OMP_NUM_THREADS")  # a CPU trial's share of the cores
@@ -219,3 +215,13 @@ class StudyStorage:
                 raise ConfigError(f"sweep.study_name={self.study_name!r} is not allowed: that study's trials run "
                                   f"with {what} {theirs[what]}, this command has {mine}; choose another "
                                   "sweep.study_name")
+
+
+def run_config(composed: DictConfig):
+    """The typed run config (range checks included) of a trial's composed config: its keys without Hydra's."""
+    from frontier.config import to_config
+
+    raw = composed.copy()
+    with open_dict(raw):
+        del raw["hydra"]
+    return to_config(raw)

@@ -38,7 +38,7 @@ from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._parent_run import ParentRun, TrackingStartError
 from hydra_plugins.frontier_sweeper._space import as_override, grid_values, parse
-from hydra_plugins.frontier_sweeper._storage import EVAL_TOKENS, StudyStorage
+from hydra_plugins.frontier_sweeper._storage import EVAL_TOKENS, StudyStorage, run_config
 from hydra_plugins.frontier_sweeper._workers import (Slot, SweepDirTaken, SweepDirUnwritable, WAIT, Workers,
                                                      device_slots, from_storage, signal_session, trainer_command)
 from hydra_plugins.frontier_sweeper._workers import describe_exit  # noqa: F401  where the tests import it from
@@ -182,7 +182,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.sizing_config = self.baseline if self.family is None else config_loader.load_sweep_config(
             self.config, self.fixed + self.trial_overrides(self.family.costliest()) + ["trial.number=0"])
         if self.family is not None:
-            check_fits(self.family, self.sizing_config)
+            check_fits(self.family, run_config(self.sizing_config))
         longest = max(self.sweep.budgets or [config.budget.seconds])
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget, longest)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
