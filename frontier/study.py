@@ -393,8 +393,9 @@ def all_drivers_ended(study: optuna.Study) -> bool:
 
 def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[FrozenTrial]:
     """Ends every RUNNING trial whose process is gone without telling the study: on this machine
-    its pid has exited, elsewhere its heartbeat stopped. A trial whose run finished (summary.json)
-    keeps its result; any other is FAIL with why. `skip`: trial ids the caller itself supervises.
+    its pid has exited (or its driver's, before the trial's process was recorded), elsewhere its
+    heartbeat stopped. A trial whose run finished (summary.json) keeps its result; any other is FAIL
+    with why. `skip`: trial ids the caller itself supervises.
     Returns the trials ended here."""
     storage = study._storage
     stale = set()
@@ -404,9 +405,15 @@ def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[Fr
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         process = Process.parse(trial.user_attrs.get("process"))
         gone = process is not None and process.alive() is False
-        if trial._trial_id in skip or (not gone and trial._trial_id not in stale):
+        # a driver gone between starting a trial and recording its process: a process of its own
+        # would have seen its driver gone and stopped (a launcher's job elsewhere waits for its heartbeat)
+        driver = Process.parse(trial.user_attrs.get("driver"))
+        unstarted = (process is None and not trial.user_attrs.get("launched") and driver is not None
+                     and driver.alive() is False)
+        if trial._trial_id in skip or (not gone and not unstarted and trial._trial_id not in stale):
             continue
-        reason = "its process exited without a result" if gone else STALE_REASON
+        reason = ("its process exited without a result" if gone else
+                  "its driver exited as it started the trial" if unstarted else STALE_REASON)
         state, value, attrs = outcome(read_summary(trial.user_attrs.get("run_dir")), reason,
                                       study.user_attrs.get("objective"))
         if end_trial(study, trial._trial_id, state, value, attrs):

@@ -408,6 +408,24 @@ def test_an_orphaned_trial_keeps_a_finished_result_and_fails_otherwise(tmp_path)
     assert failed.user_attrs["fail_reason"] == "its process exited without a result"
 
 
+def test_a_trial_whose_driver_died_before_recording_its_process_is_settled_at_once(tmp_path):
+    """A driver killed between starting a trial and recording its process: the trial is ended at
+    once on this machine, not after the grace period; a launcher's job (run elsewhere) and a trial
+    of a live driver are left to their heartbeats."""
+    study = optuna.create_study(study_name="unstarted", storage=open_storage(str(tmp_path / "study.journal")))
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead_driver, live_driver = Process(socket.gethostname(), exited.pid, ""), Process.this()
+    for driver, launched in ((dead_driver, False), (dead_driver, True), (live_driver, False)):
+        trial = study.ask()
+        trial.set_user_attr("driver", str(driver))
+        trial.set_user_attr("launched", launched)
+    assert [t.number for t in settle_orphans(study)] == [0]
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [TrialState.FAIL, TrialState.RUNNING, TrialState.RUNNING]
+    assert study.trials[0].user_attrs["fail_reason"] == "its driver exited as it started the trial"
+
+
 # -----------------------------------------------------------------------------
 # Proposals: distinct across drivers and re-runs, reproducible for one driver
 

@@ -206,8 +206,11 @@ def test_trials_run_in_standby_processes_and_a_dead_standby_is_replaced(wiki, tm
     killed = None
     deadline = time.time() + 120
     while killed is None and time.time() < deadline:  # the standby the second trial started beside it
-        running = {int(str(t.user_attrs.get("process", "::")).split(":")[1] or 0)
-                   for t in trials_of(storage, "warm")}  # trial 1's process may not have read its line yet
+        trials = trials_of(storage, "warm")
+        if not any(t.number == 1 and "process" in t.user_attrs for t in trials):
+            time.sleep(0.2)  # trial 1 is handed to its standby before the next standby starts
+            continue
+        running = {int(str(t.user_attrs["process"]).rsplit(":", 2)[1]) for t in trials if "process" in t.user_attrs}
         standby = [pid for pid, args in _processes() if "frontier.standby" in args and pid not in running
                    and pid in _frontier_processes(tmp_path / "out") and _waiting(pid)]
         if standby:
