@@ -387,6 +387,10 @@ PRUNERS = ("hyperband", "successive_halving", "median", "none")
 OBJECTIVES = ("val_bpb", "composite", "pareto")
 
 
+# the keys a frontier sweep crosses: the sweeper writes them into each trial, the fit reads them back
+FRONTIER_DEPTH, FRONTIER_LR_SCALE, FRONTIER_BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
+
+
 @dataclass
 class FrontierConfig:
     """The family of shapes a frontier sweep trains: depth grows, d_model = depth x aspect_ratio rounded

@@ -22,7 +22,9 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-DEPTH, LR_SCALE, BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
+from frontier.config import (  # noqa: E402
+    FRONTIER_BUDGET as BUDGET, FRONTIER_DEPTH as DEPTH, FRONTIER_LR_SCALE as LR_SCALE)
+
 MIN_SHAPES = 3  # a parabola has three coefficients
 RESAMPLES = 1000
 COMPETITION = {"phase 1": 1800.0, "phase 2": 14400.0}  # the competition's budgets in seconds

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -101,6 +102,28 @@ def wiki():
     if not WIKI.is_dir():
         pytest.skip(f"shared data not found at {WIKI}")
     return WIKI
+
+
+@pytest.fixture(scope="session")
+def template_db(tmp_path_factory) -> Path:
+    """An empty MLflow store with its schema: creating one takes seconds, copying it does not."""
+    from frontier import tracking
+
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    tracking.ensure_store(f"sqlite:///{path}")
+    return path
+
+
+def store_in(folder: Path, template_db: Path) -> str:
+    """A fresh SQLite store in `folder`, copied from the template; its URI."""
+    shutil.copy(template_db, folder / "mlflow.db")
+    return f"sqlite:///{folder / 'mlflow.db'}"
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, template_db) -> str:
+    """The URI of an empty MLflow store at tmp_path/mlflow.db, for tests whose subject is not its creation."""
+    return store_in(tmp_path, template_db)
 
 
 @pytest.fixture

@@ -205,10 +205,10 @@ def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(trained, tmp_p
 
 
 @pytest.mark.slow
-def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path):
+def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path, mlflow_store):
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     raw = compose_config([*FAST, "budget.max_steps=2", "tracking.enabled=true", f"tracking.uri={uri}",
                           "eval.core=true", f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=2"])
     train(raw, tmp_path / "run", RunDisplay(enabled=False))

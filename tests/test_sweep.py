@@ -143,12 +143,12 @@ def test_aggressive_pruner_records_pruned_trials(tmp_path):
 
 
 @pytest.mark.slow
-def test_diverging_trial_fails_the_sweep_goes_on_and_mlflow_nests_trials(tmp_path):
+def test_diverging_trial_fails_the_sweep_goes_on_and_mlflow_nests_trials(tmp_path, mlflow_store):
     pytest.importorskip("frontier.tracking", reason="frontier/tracking.py is not there yet")
     from mlflow import MlflowClient
 
     storage = str(tmp_path / "study.journal")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     # grid: one sane trial, and one whose absurd learning rate makes the loss explode
     done = run_sweep(tmp_path / "out", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none",
                      "optim.matrix_lr=0.04,1e9", "sweep.n_jobs=2", f"sweep.storage={storage}",

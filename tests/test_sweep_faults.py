@@ -20,8 +20,8 @@ import pytest
 from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
-from tests.conftest import POSTGRES, fill, postgres_or_skip
-from tests.test_tracking_faults import MLFLOW_SIGNAL, Server, template_db  # noqa: F401 (a fixture)
+from tests.conftest import POSTGRES, fill, postgres_or_skip, store_in
+from tests.test_tracking_faults import MLFLOW_SIGNAL, Server
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", "precision=fp32",
@@ -263,11 +263,12 @@ def test_a_trial_past_its_timeout_is_killed_and_failed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path, shared_study):
+def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_runs(tmp_path, shared_study,
+                                                                                    mlflow_store):
     from mlflow import MlflowClient
 
     storage, name = shared_study
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=orphans",
             "sweep.n_trials=1", "sweep.heartbeat_interval=2", "sweep.grace_period=10", f"sweep.storage={storage}",
             f"sweep.study_name={name}"]
@@ -297,14 +298,14 @@ def test_a_trial_stops_when_its_driver_is_killed_and_the_next_driver_closes_its_
 
 
 @pytest.mark.slow
-def test_sweep_report_ends_the_parent_run_of_a_killed_driver_killed_once_no_driver_is_left(tmp_path):
+def test_sweep_report_ends_the_parent_run_of_a_killed_driver_killed_once_no_driver_is_left(tmp_path, mlflow_store):
     """The study's only driver is killed (kill -9) while its trial trains, and no driver follows: its
     MLflow parent run once stayed RUNNING for good, as sweep_report ended only runs whose driver had
     recorded its end. While the driver lives, sweep_report leaves the run RUNNING."""
     from mlflow import MlflowClient
 
     storage = str(tmp_path / "study.journal")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     args = [*LONG, "tracking.enabled=true", f"tracking.uri={uri}", "sweep.n_trials=1", f"sweep.storage={storage}",
             "sweep.study_name=killed"]
     driver = subprocess.Popen(driver_command(tmp_path / "out", *args), cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -336,12 +337,12 @@ def test_sweep_report_ends_the_parent_run_of_a_killed_driver_killed_once_no_driv
 
 
 @pytest.mark.slow
-def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_parent_run(tmp_path):
+def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_parent_run(tmp_path, mlflow_store):
     postgres = postgres_or_skip()
     from mlflow import MlflowClient
 
     name = f"test-drivers-{uuid.uuid4().hex[:8]}"
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     args = [*SHORT, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=drivers",
             "sweep.n_trials=4", f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
     try:
@@ -496,8 +497,7 @@ def tracked_sweep(tmp_path: Path, template_db: Path, study: str,
     """A one-trial sweep tracked in a SQLite store of its own: its store, journal, command, and an
     environment that runs `site_code` as it starts (by default: FRONTIER_TEST_MLFLOW_SIGNAL signals it
     inside an MLflow call)."""
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path, template_db)
     storage = str(tmp_path / "study.journal")
     site = tmp_path / "site"
     site.mkdir()
@@ -589,12 +589,12 @@ def test_a_store_failing_as_the_parent_run_starts_is_one_error_line_and_the_run_
 
 
 @pytest.mark.slow
-def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_run(tmp_path):
+def test_a_sweep_stopped_by_max_failures_is_one_error_line_and_a_failed_parent_run(tmp_path, mlflow_store):
     """Every trial diverges: the sweep stops after the first (sweep.max_failures=0), says why in one
     line, exits 1, and its MLflow parent run ends FAILED."""
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     # four steps whatever the machine's speed: fewer (a busy CPU within budget.seconds=5) may not diverge
     done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, "budget.seconds=600",
                            "budget.max_steps=4", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none",
@@ -671,10 +671,10 @@ def test_a_tracking_server_gone_when_the_sweep_ends_is_a_warning_and_sweep_repor
 
 
 @pytest.mark.slow
-def test_a_report_that_cannot_be_written_is_a_warning_and_the_sweep_still_ends(tmp_path):
+def test_a_report_that_cannot_be_written_is_a_warning_and_the_sweep_still_ends(tmp_path, mlflow_store):
     from mlflow import MlflowClient
 
-    storage, uri = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage, uri = str(tmp_path / "study.journal"), mlflow_store
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report").write_text("")  # a file where the report's folder goes
     done = subprocess.run(driver_command(tmp_path / "out", *SHORT, "sweep.n_trials=1", f"sweep.storage={storage}",
@@ -730,14 +730,15 @@ def doomed_storage(request, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trials(tmp_path, doomed_storage):
+def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trials(tmp_path, doomed_storage,
+                                                                                  mlflow_store):
     """The study's storage vanishes while trial 1 trains, trial 0 done: exit 1 with one line naming the
     storage, no traceback, the running trial stopped (KILLED, not orphaned), the MLflow parent run
     ended FAILED, and trial 0's result kept in MLflow and its summary.json; no journal made anew."""
     from mlflow import MlflowClient
 
     storage, delete = doomed_storage
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     out = tmp_path / "out"
     driver = subprocess.Popen(driver_command(out, *SHORT, "sweep.n_trials=4", "sweep.heartbeat_interval=1",
                                              f"sweep.storage={storage}", "sweep.study_name=gone",
@@ -777,7 +778,7 @@ def test_a_storage_gone_mid_sweep_is_one_error_line_and_keeps_the_finished_trial
 @pytest.mark.slow
 @pytest.mark.parametrize("cadence", [["budget.max_steps=60"], ["budget.max_steps=100000", "eval.every_fraction=0"]],
                          ids=["at its next checkpoint", "without periodic evaluations"])
-def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_failed(tmp_path, cadence):
+def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_failed(tmp_path, cadence, mlflow_store):
     """Another driver of the study takes trial 0 for stale and ends it FAIL while it trains: its
     process stops KILLED at its next checkpoint, or within seconds when it makes none (resume.pt
     written, exit 130, its MLflow run KILLED), not FAILED with exit 0; the study keeps that driver's

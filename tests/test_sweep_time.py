@@ -129,11 +129,11 @@ def test_a_bad_confirm_is_one_sentence(tmp_path, value, why):
 
 
 @pytest.mark.slow
-def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_path):
+def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_path, mlflow_store):
     """Two search trials, then the best one and the baseline with two new seeds each: four runs,
     tagged, never pruned, not counted in n_trials, in Optuna and MLflow. The driver is killed
     (kill -9) as the first confirmation run trains; the same command runs the rest."""
-    storage, store = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage, store = str(tmp_path / "study.journal"), mlflow_store
     args = ["sweep=lr", "sweep.n_trials=2", "sweep.confirm=2", "sweep.confirm_top=1", "sweep.pruner=median",
             f"sweep.storage={storage}", "sweep.study_name=confirm", "tracking.enabled=true",
             f"tracking.uri={store}", "budget.max_steps=8"]
@@ -262,13 +262,13 @@ def _frontier_processes(sweep_dir: Path) -> list[int]:
     return alive
 
 
-def test_the_leaderboard_gives_a_configuration_run_with_several_seeds_its_mean_and_sd(tmp_path, capsys):
+def test_the_leaderboard_gives_a_configuration_run_with_several_seeds_its_mean_and_sd(tmp_path, capsys, mlflow_store):
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
     from frontier import leaderboard
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     experiment = client.create_experiment("seeds", artifact_location=(tmp_path / "artifacts").as_uri())
     runs = [({"optim.matrix_lr": "0.04", "seed": "1"}, 2.01), ({"optim.matrix_lr": "0.04", "seed": "2"}, 2.03),

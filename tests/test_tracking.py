@@ -78,18 +78,9 @@ def sqlite_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-@pytest.fixture(scope="module")
-def template_db(tmp_path_factory) -> Path:
-    """An empty store with its schema: creating one takes seconds, copying it does not."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    tracking.ensure_store(f"sqlite:///{path}")
-    return path
-
-
 @pytest.fixture
-def store(tmp_path, template_db) -> str:
-    shutil.copy(template_db, tmp_path / "mlflow.db")
-    return sqlite_uri(tmp_path)
+def store(mlflow_store) -> str:
+    return mlflow_store
 
 
 def only_run(client: MlflowClient, experiment: str = "frontier"):

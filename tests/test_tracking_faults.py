@@ -21,10 +21,9 @@ import requests
 import torch
 from mlflow import MlflowClient
 
-from frontier import tracking
 from frontier.config import PROJECT_ROOT
 from frontier.observers import read_records
-from tests.conftest import fill
+from tests.conftest import fill, store_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
 
@@ -54,20 +53,6 @@ def _env(monkeypatch):
     if not WIKI.is_dir():
         pytest.skip(f"shared data not found at {WIKI}")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # tests name their own stores
-
-
-@pytest.fixture(scope="module")
-def template_db(tmp_path_factory) -> Path:
-    """An empty store with its schema: creating one takes seconds, copying it does not."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    tracking.ensure_store(f"sqlite:///{path}")
-    return path
-
-
-def store_in(folder: Path, template_db: Path) -> str:
-    """A fresh SQLite store in `folder`, copied from the template; its URI."""
-    shutil.copy(template_db, folder / "mlflow.db")
-    return f"sqlite:///{folder / 'mlflow.db'}"
 
 
 def free_port() -> int:

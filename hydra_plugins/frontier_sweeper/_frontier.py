@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
+from frontier.config import FRONTIER_BUDGET as BUDGET, FRONTIER_DEPTH as DEPTH, FRONTIER_LR_SCALE as LR_SCALE
 from frontier.config import ConfigError, FrontierConfig
 
-DEPTH, LR_SCALE, BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
 # Small depths where a CPU trains a shape in minutes; the competition's base region on accelerators.
 DEVICE_DEPTHS = {"cpu": [1, 2, 3, 4, 6, 8], "accelerator": [6, 8, 10, 12, 14, 16]}
 # A CPU's optimum at minutes of training lies at widths of 32 to 128: heads of 32 keep each width whole.
