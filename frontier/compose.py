@@ -238,10 +238,12 @@ class Composer:
         self.app, self.config_name = app, config_name
 
     def mode(self, overrides: list[Override], multirun: bool) -> RunMode:
+        if multirun:  # --multirun decides: no composing needed to read hydra.mode
+            return RunMode.MULTIRUN
         with warnings.catch_warnings():  # it composes too: compose() says what Hydra warns of
             warnings.simplefilter("ignore")
             chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
-        return RunMode.MULTIRUN if multirun or chosen == RunMode.MULTIRUN else RunMode.RUN
+        return RunMode.MULTIRUN if chosen == RunMode.MULTIRUN else RunMode.RUN
 
     def compose(self, overrides: list[Override], mode: RunMode) -> DictConfig:
         """The composed config (with its hydra node); a failure names the override that causes it."""
