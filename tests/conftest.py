@@ -97,6 +97,13 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> s
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def spread(rows: list[tuple], ids: list[str], every: int) -> list:
+    """A table's rows as parameters: the whole suite checks each, the fast tier (-m "not slow") every
+    `every`-th, a spread across the table."""
+    return [pytest.param(*row, id=name, marks=() if i % every == 0 else pytest.mark.slow)
+            for i, (row, name) in enumerate(zip(rows, ids))]
+
+
 @pytest.fixture(scope="session")
 def wiki():
     if not WIKI.is_dir():

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FAST, ROOT, run_cli
+from tests.conftest import FAST, ROOT, run_cli, spread
 
 MODELS = "base, "  # the start of the list of model presets
 
@@ -221,7 +221,7 @@ def isolated(folder) -> list[str]:
             f"tracking.uri=sqlite:///{folder}/mlflow.db", f"data.cache_dir={folder}/cache"]
 
 
-@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(args) for args, _ in BAD])
+@pytest.mark.parametrize("args, message", spread(BAD, [" ".join(args) for args, _ in BAD], every=4))
 def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
     options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
     overrides = [arg for arg in args if arg not in options]

@@ -3,12 +3,14 @@ on tiny shapes with a few steps each, as a user runs it."""
 from __future__ import annotations
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from hydra_plugins.frontier_sweeper._frontier import DEVICE_DEPTHS, Family
 from tests.test_sweep import load, run_sweep
 
 
+@pytest.mark.slow
 def test_a_frontier_sweep_trains_every_shape_at_every_budget_and_records_what_the_fit_needs(tmp_path):
     storage = str(tmp_path / "study.journal")
     done = run_sweep(tmp_path / "sweep", "sweep=frontier", "sweep.frontier.depths=[1,2,3]",
