@@ -27,8 +27,8 @@ class RunDisplay:
         self.progress.stop()
 
     def update(self, progress: float, metrics: dict, seconds_left: float) -> None:
-        status = (f"loss {metrics['train/loss']:.4f} | {metrics['tokens_per_second']:,.0f} tok/s | "
-                  f"{seconds_left:,.0f} s left")
+        rate = f"{metrics['tokens_per_second']:,.0f} tok/s | " if "tokens_per_second" in metrics else ""
+        status = f"loss {metrics['train/loss']:.4f} | {rate}{seconds_left:,.0f} s left"
         self.progress.update(self.task, completed=progress, status=status)
 
     def note(self, line: str) -> None:

@@ -11,6 +11,7 @@ child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -321,7 +322,8 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         found = _retry(client.get_experiment_by_name, name)
         if found is None:
             try:
-                return _retry(client.create_experiment, name, artifact_location=_artifact_location(uri, name))
+                return _retry(client.create_experiment, name, artifact_location=_artifact_location(uri, name),
+                              tags={CHARTS_VIEW_TAG: charts_view()})
             except MlflowException as err:  # a server store: another worker created it first
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -330,6 +332,30 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
             raise ConfigError(f"tracking.experiment={name!r} is deleted in {uri}; restore it with "
                               f"`mlflow experiments restore` or choose another name")
         return found.experiment_id
+
+
+# The experiment's saved view "Frontier charts": MLflow's UI lists it under Views in the run list and opens
+# it from `#/experiments/<id>/runs?viewStateShareKey=frontier-charts&compareRunsMode=CHART`.
+CHARTS_VIEW_TAG = "mlflow.sharedViewState.frontier-charts"
+CHARTS_VIEW_METRICS = ("val_bpb", "train/loss", "tokens_per_second")  # each against charged_seconds
+
+
+def charts_view() -> str:
+    """The saved view's tag value: the charts a budgeted run is judged by, first, each against the
+    charged seconds (runs of different batch sizes or speeds line up in time, not in steps); MLflow adds
+    a chart for every other metric after them."""
+    section = "frontier"
+    charts = [{"uuid": f"frontier-{i}", "type": "LINE", "metricSectionId": section, "isGenerated": False,
+               "deleted": False, "runsCountToCompare": 10, "metricKey": key, "selectedMetricKeys": [key],
+               "xAxisKey": "metric", "selectedXAxisMetricKey": "charged_seconds", "useGlobalXaxisKey": False,
+               "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": 0, "useGlobalLineSmoothing": False,
+               "yAxisKey": "metric", "yAxisExpressions": [], "ignoreOutliers": False}
+              for i, key in enumerate(CHARTS_VIEW_METRICS)]
+    state = {"compareRunCharts": charts, "isAccordionReordered": True, "hideEmptyCharts": True,
+             "compareRunSections": [{"uuid": section, "name": "Frontier: against charged seconds", "display": True,
+                                     "isReordered": True, "deleted": False, "isGenerated": False}]}
+    now = int(time.time() * 1000)
+    return json.dumps({"name": "Frontier charts", "createdAt": now, "updatedAt": now, "state": json.dumps(state)})
 
 
 def _artifact_location(uri: str, experiment: str) -> str | None:

@@ -307,16 +307,17 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
             if not math.isfinite(mean_loss) or mean_loss > cfg.train.loss_ceiling:
                 raise Diverged(f"diverged at step {clock.steps} (loss={mean_loss:g})")
             interval = clock.charged - log_start  # charged tokens over charged time: never the excluded steps
-            tokens_per_second = (clock.charged_tokens - log_tokens) / interval if interval > 0 else 0.0
             metrics = {
                 "train/loss": mean_loss,
                 "lr_multiplier": lr_multiplier(cfg.schedule, progress),
                 "tokens_seen": run.tokens_seen,
                 "charged_seconds": clock.charged,
                 "progress": progress,
-                "tokens_per_second": tokens_per_second,
-                "mfu": mfu(clock.charged_tokens - log_tokens, interval, clock.charged_cpu - log_cpu, run.summary) or 0.0,
             }
+            if interval > 0:  # no rate over the excluded steps alone: a 0 would be plotted as one
+                metrics["tokens_per_second"] = (clock.charged_tokens - log_tokens) / interval
+                metrics["mfu"] = mfu(clock.charged_tokens - log_tokens, interval, clock.charged_cpu - log_cpu,
+                                     run.summary) or 0.0
             life.notify("on_log", metrics, clock.steps)
             display.update(progress, metrics, clock.seconds_left)
             loss_sum, loss_count = torch.zeros(()), 0

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from sqlalchemy.exc import SADeprecationWarning
 
 from frontier import leaderboard, mlflow_observer, tracking
+from frontier import store as store_module
 from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
@@ -128,6 +129,21 @@ def assert_recorded(client: MlflowClient, run, raw) -> None:
     assert {"config.yaml", "summary.json", "curves.png"} <= artifact_paths(client, run.info.run_id)
 
 
+def assert_charts_view_plots(client: MlflowClient, run) -> None:
+    """The experiment's saved view charts val_bpb, train/loss and tokens per second against charged
+    seconds, and the run has every point it needs: the UI pairs a point with the x-axis metric's point
+    at the same step, and drops one that has none."""
+    view = json.loads(client.get_experiment(run.info.experiment_id).tags[store_module.CHARTS_VIEW_TAG])
+    assert view["name"] == "Frontier charts"
+    charts = json.loads(view["state"])["compareRunCharts"]
+    assert [chart["metricKey"] for chart in charts] == ["val_bpb", "train/loss", "tokens_per_second"]
+    charged = {m.step for m in client.get_metric_history(run.info.run_id, "charged_seconds")}
+    for chart in charts:
+        assert (chart["xAxisKey"], chart["selectedXAxisMetricKey"]) == ("metric", "charged_seconds")
+        steps = {m.step for m in client.get_metric_history(run.info.run_id, chart["metricKey"])}
+        assert steps and steps <= charged, chart["metricKey"]
+
+
 # -----------------------------------------------------------------------------
 # What a run records
 
@@ -144,6 +160,7 @@ def test_tiny_run_is_recorded(tmp_path, store):
     assert_recorded(client, run, raw)
     assert run.data.metrics["val_bpb"] == pytest.approx(bpb)
     assert "checkpoint/final.pt" in artifact_paths(client, run.info.run_id)
+    assert_charts_view_plots(client, run)
     summary = json.loads(Path(download_artifacts(run_id=run.info.run_id, artifact_path="summary.json",
                                                  dst_path=str(tmp_path), tracking_uri=uri)).read_text())
     assert summary["status"] == "FINISHED"
