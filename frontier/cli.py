@@ -18,10 +18,12 @@ import os
 import signal
 import sys
 import threading
+import unittest.mock
 from typing import Any, Callable, NoReturn, Optional
 
 import hydra
 import yaml
+from hydra._internal.hydra import Hydra
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig
@@ -124,8 +126,8 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
                 return task(cfg_passthrough)
             register_schemas()  # the `frontier_schema` the primary config builds on
             try:
-                check_command_line(task, config_path, config_name, sys.argv[1:], check)
-                with hydra_raises():
+                composed = check_command_line(task, config_path, config_name, sys.argv[1:], check)
+                with hydra_raises(), mode_known(composed):
                     return hydra_main()
             except Exception as err:
                 if not is_mistake(err, task, user_errors) or _interrupted.is_set():
@@ -152,6 +154,18 @@ def hydra_raises():
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = before
+
+
+@contextlib.contextmanager
+def mode_known(composed: Optional[DictConfig]):
+    """Hydra composes the whole config once more only to read its hydra.mode before it runs; the check
+    composed the same config already, so Hydra is given that value (a third of a second per command)."""
+    if composed is None:
+        yield
+        return
+    mode = composed.hydra.mode
+    with unittest.mock.patch.object(Hydra, "get_mode", lambda self, config_name, overrides: mode):
+        yield
 
 
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:

@@ -118,7 +118,9 @@ def yaml_problem(err: yaml.MarkedYAMLError) -> str:
 
 
 def check_command_line(task: Callable, config_path: str, config_name: str, argv: list[str],
-                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> None:
+                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Optional[DictConfig]:
+    """Refuses a mistake in one sentence (ConfigError); returns the config a run or a multirun composes to,
+    whose hydra.mode Hydra reads before it runs (None where only something is shown)."""
     args = parse_args(argv)
     commands = [name for name, given in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                          ("--info", args.info), ("--shell-completion", args.shell_completion)) if given]
@@ -175,7 +177,7 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
                 selected(cfg, key)
-            return
+            return cfg
         for override in overrides:  # Hydra would drop these silently: the defaults would run
             if override.is_sweep_override() and (override.key_or_group == "sweep"
                                                  or override.key_or_group.startswith("sweep.")):
@@ -195,9 +197,10 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                                   "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
                                   "another would train the base config and drop the search space")
             check_run(app, master, overrides, check)  # and its sweeper checks the trials' values
-            return
+            return master
         for point in grid(master, overrides):  # Hydra's grid: every point must be a valid run
             check_run(app, app.compose(point, RunMode.RUN), point, check)
+        return master
 
 
 def parse_args(argv: list[str]):
@@ -236,10 +239,18 @@ class Composer:
 
     def __init__(self, app: Hydra, config_name: str):
         self.app, self.config_name = app, config_name
+        self._composed: dict[tuple, Any] = {}  # (lines, mode) -> (config, Hydra's warnings), or its error
 
     def mode(self, overrides: list[Override], multirun: bool) -> RunMode:
         if multirun:  # --multirun decides: no composing needed to read hydra.mode
             return RunMode.MULTIRUN
+        if not any(o.is_sweep_override() for o in overrides):  # a run's own composition reads it, kept for compose()
+            try:
+                chosen = self._recorded([o.input_line for o in overrides], RunMode.RUN)[0].hydra.mode
+            except Exception:  # compose() names the override; a multirun's composition may still succeed
+                pass
+            else:
+                return RunMode.MULTIRUN if chosen == RunMode.MULTIRUN else RunMode.RUN
         with warnings.catch_warnings():  # it composes too: compose() says what Hydra warns of
             warnings.simplefilter("ignore")
             chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
@@ -249,9 +260,7 @@ class Composer:
         """The composed config (with its hydra node); a failure names the override that causes it."""
         lines = [o.input_line for o in overrides]
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                cfg = self._compose(lines, mode)
+            cfg, caught = self._recorded(lines, mode)
         except Exception:  # find the first override that breaks composition, to name it
             pass
         else:
@@ -278,6 +287,20 @@ class Composer:
             except Exception as err:
                 return override, self.explain(override, err, before)
         return None
+
+    def _recorded(self, lines: list[str], mode: RunMode) -> tuple[DictConfig, list]:
+        """One composition of these lines (composing takes a third of a second), with Hydra's warnings."""
+        key = (tuple(lines), mode)
+        if key not in self._composed:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    self._composed[key] = self._compose(lines, mode), list(caught)
+                except Exception as err:
+                    self._composed[key] = err
+        if isinstance(self._composed[key], Exception):
+            raise self._composed[key]
+        return self._composed[key]
 
     def _compose(self, lines: list[str], mode: RunMode) -> DictConfig:
         return self.app.compose_config(config_name=self.config_name, overrides=list(lines), run_mode=mode,

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -5,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from frontier import optim as optim_module
 from frontier.config import ConfigError, ModelConfig, OptimConfig
 from frontier.model import GPT
-from frontier.optim import Muon, apply_schedule, build_optimizers, orthogonalize
+from frontier.optim import AdamW, Muon, apply_schedule, build_optimizers, orthogonalize
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -98,7 +101,7 @@ def test_lr_scale_multiplies_every_groups_rate_and_the_schedule_keeps_it(name):
 def test_adamw_preset_uses_adamw_for_everything():
     model = GPT(ModelConfig(depth=1, d_model=32, n_head=2, seq_len=8), vocab_size=50)
     (adam,) = build_optimizers(model.param_groups(), OptimConfig(name="adamw", matrix_lr=0.003), "cpu")
-    assert isinstance(adam, torch.optim.AdamW)
+    assert isinstance(adam, AdamW)
     assert sum(len(g["params"]) for g in adam.param_groups) == len(list(model.parameters()))
 
 
@@ -121,6 +124,59 @@ def test_adamw_is_fused_on_a_cpu_and_steps_like_the_unfused_one():
                 opt.step()
     for (key, a), b in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_steps_exactly_as_torch_s_and_resumes_from_its_state(fused):
+    """The same update as torch.optim.AdamW, bit for bit (its fused kernel, or its foreach form), over
+    two param groups; its state_dict loads into a fresh optimizer that then goes on identically."""
+    torch.manual_seed(0)
+    shapes = [(8, 16), (16,), (4, 4)]
+    start = [torch.randn(*shape) for shape in shapes]
+    grads = [[torch.randn(*shape) for shape in shapes] for _ in range(4)]
+
+    def groups(params):
+        return [dict(params=params[:2], lr=0.01, weight_decay=0.1), dict(params=params[2:], lr=0.003, weight_decay=0.0)]
+
+    def run(make, steps, params=None, state=None):
+        params = params or [torch.nn.Parameter(t.clone()) for t in start]
+        opt = make(groups(params))
+        if state is not None:
+            opt.load_state_dict(state)
+        for step in steps:
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    adam = dict(betas=(0.9, 0.95), eps=1e-10, fused=fused)
+    theirs, _ = run(lambda g: torch.optim.AdamW(g, foreach=not fused, **adam), range(4))
+    ours, _ = run(lambda g: AdamW(g, **adam), range(4))
+    half, opt = run(lambda g: AdamW(g, **adam), range(2))
+    resumed, _ = run(lambda g: AdamW(g, **adam), range(2, 4), [torch.nn.Parameter(p.detach().clone()) for p in half],
+                     opt.state_dict())
+    for a, b, c in zip(theirs, ours, resumed):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_a_run_s_optimizers_do_not_import_torch_dynamo():
+    """torch.optim.Optimizer imports torch._dynamo (two CPU-seconds) on its first call; Frontier's own do not."""
+    code = ("import sys, torch\n"
+            "from frontier.config import ModelConfig, OptimConfig\n"
+            "from frontier.model import GPT\n"
+            "from frontier.optim import build_optimizers\n"
+            "model = GPT(ModelConfig(depth=1, d_model=32, n_head=2, seq_len=8), vocab_size=50)\n"
+            "for name in ('muon', 'adamw'):\n"
+            "    optimizers = build_optimizers(model.param_groups(), OptimConfig(name=name), 'cpu')\n"
+            "    idx = torch.randint(0, 50, (2, 8))\n"
+            "    model(idx, idx.roll(-1, 1)).backward()\n"
+            "    for opt in optimizers:\n"
+            "        opt.step()\n"
+            "        opt.load_state_dict(opt.state_dict())\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "[]"
 
 
 def test_muon_step_lowers_a_loss():
