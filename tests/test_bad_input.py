@@ -366,7 +366,7 @@ def test_showing_commands_still_work():
             and len(refused.stderr.splitlines()) == 1, refused.stderr
 
 
-@pytest.mark.parametrize("module, args, names", [
+OTHER_COMMANDS = [  # (module, arguments, what its one sentence names)
     ("frontier.eval", ["foo=1"], "foo=1 is not allowed: frontier.eval has no key 'foo'; its keys are checkpoint"),
     ("frontier.eval", ["chekpoint=x"], "chekpoint=x is not allowed: frontier.eval has no key 'chekpoint'; did you "
                                        "mean checkpoint?"),
@@ -391,7 +391,11 @@ def test_showing_commands_still_work():
     ("frontier.model_card", ["model=tiny", "--steps=0"], "--steps=0 is not allowed: it must be a positive integer"),
     ("frontier.leaderboard", ["tracking.uri=sqlite:////no/such/dir/mlflow.db"],
      "tracking.uri=sqlite:////no/such/dir/mlflow.db is not allowed: there is no MLflow store there yet"),
-])
+]
+
+
+@pytest.mark.parametrize("module, args, names", spread(OTHER_COMMANDS, [f"{m} {' '.join(a)}" for m, a, _ in OTHER_COMMANDS],
+                                                      every=3))
 def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, names):
     result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
@@ -510,7 +514,7 @@ def test_a_journal_on_a_read_only_disk_is_one_sentence(tmp_path):
 LONG = "a" * 300  # longer than a file name may be (255 bytes)
 
 
-@pytest.mark.parametrize("module, args, key, reason", [
+REFUSED_PATHS = [  # (module, arguments, the key named, why)
     ("frontier.train", [*FAST, "budget.max_steps=1", "hydra.run.dir={tmp}/" + LONG], "hydra.run.dir", "File name too long"),
     ("frontier.train", [*FAST, "budget.max_steps=1", "data.path={tmp}/" + LONG], "data.path", "File name too long"),
     ("frontier.train", ["resume={tmp}/" + LONG], "resume", "File name too long"),
@@ -530,10 +534,14 @@ LONG = "a" * 300  # longer than a file name may be (255 bytes)
     ("frontier.bench", ["bench.output={tmp}"], "bench.output", "it is a folder; name the JSON file to write"),
     ("frontier.bench", ["bench.results={tmp}/file/results.jsonl"], "bench.results", "its folder cannot be created"),
     ("frontier.bench", ["bench.results={tmp}"], "bench.results", "it is a folder; name the JSON-lines file"),
-], ids=["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
+]
+REFUSED_PATH_IDS = ["run dir too long", "data.path too long", "resume too long", "run dir in a symlink loop",
         "data.path in a symlink loop", "a 5000-digit integer", "eval", "sweep_report", "leaderboard", "sync",
         "bench --multirun", "bench.steps=0", "bench.steps=abc", "bench.output under a file", "bench.output a folder",
-        "bench.results under a file", "bench.results a folder"])
+        "bench.results under a file", "bench.results a folder"]
+
+
+@pytest.mark.parametrize("module, args, key, reason", spread(REFUSED_PATHS, REFUSED_PATH_IDS, every=3))
 def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(tmp_path, module, args, key, reason):
     """A name too long, a symlink loop, a number Python will not read: wherever the path is first touched
     (a check, Hydra's set-up, pathlib) it had been a traceback; and frontier.bench read Hydra's options

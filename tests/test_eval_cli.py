@@ -8,7 +8,7 @@ import pytest
 
 from frontier.progress import RunDisplay
 from frontier.trainer import train
-from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli
+from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli, spread
 
 # one worker builds this module's fixtures once (a trained run): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_eval_cli")
@@ -125,7 +125,8 @@ DAMAGED_BUNDLES = [  # (bundle arguments, what the sentence names)
 ]
 
 
-@pytest.mark.parametrize("damage, names", DAMAGED_BUNDLES, ids=[n.split(" ", 1)[1][:40] for _, n in DAMAGED_BUNDLES])
+@pytest.mark.parametrize("damage, names", spread(DAMAGED_BUNDLES, [n.split(" ", 1)[1][:40] for _, n in DAMAGED_BUNDLES],
+                                                 every=3))
 def test_eval_refuses_a_damaged_core_bundle_in_one_sentence(tiny_checkpoint, tmp_path, damage, names):
     # each of these was a traceback after scoring (a baseline of 100), a CORE of nan, or a task silently left out
     bundle = small_bundle(tmp_path / "bundle", **damage)

@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 
 from frontier.config import ConfigError
 from frontier.study import STALE_REASON, Process, open_storage, settle_orphans
+from tests.conftest import spread
 
 # one worker builds this module's fixtures once (tpe_sweep, two sweeps): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_sweep")
@@ -293,7 +294,10 @@ def test_bad_input_is_one_clear_error(compose_sweep, overrides, params, message)
         compose_sweep(*overrides, params=params)
 
 
-@pytest.mark.parametrize("preset", sorted(path.stem for path in (ROOT / "sweeps").glob("*.yaml")))
+PRESETS = sorted(path.stem for path in (ROOT / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", spread([(name,) for name in PRESETS], PRESETS, every=3))
 def test_every_preset_is_ready_to_run(compose_sweep, preset, tmp_path):
     space = {"optim.matrix_lr": "interval(0.01, 0.1)"} if preset == "custom" else None  # custom has none of its own
     sweep = compose_sweep(f"sweep={preset}", f"sweep.storage={tmp_path / 'study.journal'}", params=space)

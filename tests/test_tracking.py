@@ -33,6 +33,7 @@ from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
 from frontier.trainer import train
+from tests.conftest import spread
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
 
@@ -674,7 +675,7 @@ def damage_metrics_into_a_folder(run_dir: Path) -> None:
     (run_dir / "metrics.jsonl").mkdir()
 
 
-@pytest.mark.parametrize("damage, says", [
+DAMAGED_RUN_FILES = [  # (what breaks a run directory's file, what sync says of it)
     (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json is not a JSON object"),
     (lambda d: (d / "summary.json").write_text("null"), "summary.json is not a JSON object"),
     (lambda d: (d / "summary.json").write_text('{"status": 5}'), "summary.json has status 5, not one of"),
@@ -682,7 +683,10 @@ def damage_metrics_into_a_folder(run_dir: Path) -> None:
     (damage_metrics_into_a_folder, "metrics.jsonl cannot be read (Is a directory)"),
     (lambda d: (d / ".hydra" / "config.yaml").write_text("a: [\n"), "config.yaml is not YAML"),
     (lambda d: (d / ".hydra" / "config.yaml").write_text("- 1\n"), "config.yaml is not a mapping"),
-])
+]
+
+
+@pytest.mark.parametrize("damage, says", spread(DAMAGED_RUN_FILES, [says for _, says in DAMAGED_RUN_FILES], every=3))
 def test_sync_names_a_run_file_it_cannot_read_and_leaves_the_run_as_it_was(tmp_path, store, damage, says):
     """A run directory's own file that is unreadable or of the wrong kind is one sentence naming it, exit 2:
     never blamed on the store (exit 1, "run it again when the store answers"), never a status it did not end with."""
