@@ -240,7 +240,11 @@ def test_mfu_of_a_run_does_not_move_with_a_busy_neighbour(wiki, tmp_path):
         runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
     alone, busy = runs["alone"], runs["busy"]
     assert alone["mfu_basis"] == "cpu time" and alone["tokens_per_cpu_second"] > 0
-    assert abs(busy["mfu"] - alone["mfu"]) <= 0.15 * alone["mfu"], (alone["mfu"], busy["mfu"])
+    # A neighbour on a hyperthread sibling or the shared cache does cost some CPU-time efficiency, so
+    # the check is that MFU moves far less than the wall-clock rate the neighbour takes from the run.
+    mfu_moved = abs(1 - busy["mfu"] / alone["mfu"])
+    wall_moved = 1 - busy["tokens_per_second"] / alone["tokens_per_second"]
+    assert mfu_moved <= 0.25 and mfu_moved <= 0.5 * wall_moved, [(r["mfu"], r["tokens_per_second"]) for r in runs.values()]
 
 
 def test_the_matmul_measurement_runs_for_the_time_given():
