@@ -230,8 +230,8 @@ def test_mfu_of_a_run_does_not_move_with_a_busy_neighbour(wiki, tmp_path):
     for name in ("alone", "busy"):
         neighbours = busy_neighbours(600) if name == "busy" else []
         try:
-            done = run_cli([*FAST, "precision=fp32", "budget.max_steps=12", "budget.excluded_steps=2",
-                            f"hydra.run.dir={tmp_path / name}"], env=one)
+            done = run_cli([*FAST, "precision=fp32", "train.batch_tokens=2048", "budget.max_steps=8",
+                            "budget.excluded_steps=2", f"hydra.run.dir={tmp_path / name}"], env=one)
         finally:
             for process in neighbours:
                 process.kill()
