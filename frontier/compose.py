@@ -196,7 +196,9 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                 raise ConfigError(f"{chosen} is not allowed with sweep={master.sweep.name}: only the frontier "
                                   "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
                                   "another would train the base config and drop the search space")
-            check_run(app, master, overrides, check)  # and its sweeper checks the trials' values
+            # its values; the sweeper checks the search's settings and space, then what running needs
+            # (`check`, which imports torch and opens the store), then every trial's values
+            check_run(app, master, overrides, None)
             return master
         points = [(point, app.compose(point, RunMode.RUN)) for point in grid(master, overrides)]
         for point, cfg in points:  # Hydra's grid: every point must be a valid run, its values checked

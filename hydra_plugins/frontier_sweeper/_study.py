@@ -135,7 +135,7 @@ def default_trial_timeout(budget, seconds: float) -> float:
 
 class Sweep(StudyStorage, ParentRun, Workers):
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
-        self.config = config
+        self.config, self.arguments = config, arguments
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
         self.space, self.fixed, self.written = parse(self.sweep.params, arguments)
         self.family = self.grid_axes(config)
@@ -153,10 +153,6 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.launched = None if is_builtin(launcher) else LaunchedTrials(launcher, self.sweep.devices_per_trial)
         self.study_name = self.sweep.study_name or self.sweep.name
         self.storage_spec = study_storage(self.sweep.storage, self.study_name)
-        if self.launched is not None and not self.launched.local:  # the scheduler gives each job its devices
-            self.slots = [Slot(f"{self.launched.name} job", {}) for _ in range(self.sweep.n_jobs)]
-        else:
-            self.slots = device_slots(config.device, self.sweep.n_jobs, self.sweep.devices_per_trial)
         self.pruner = pruner_settings(self.sweep, config.eval.every_fraction)
         self.sampler = PerTrialSeed(lambda seed: make_sampler(self.sweep, self.space, seed), self.sweep.seed)
         self.n_trials = self.sweep.n_trials
@@ -176,6 +172,10 @@ class Sweep(StudyStorage, ParentRun, Workers):
                                   f"{why}; add sweep.confirm=0")
             self.confirm_seeds = 0
         self.check_composes(config_loader)
+        if self.launched is not None and not self.launched.local:  # the scheduler gives each job its devices
+            self.slots = [Slot(f"{self.launched.name} job", {}) for _ in range(self.sweep.n_jobs)]
+        else:
+            self.slots = device_slots(config.device, self.sweep.n_jobs, self.sweep.devices_per_trial)  # imports torch
         # the baseline: the command's configuration with the preset's plain values, no search-space point
         self.baseline = config_loader.load_sweep_config(self.config, self.fixed + ["trial.number=0"])
         # evaluation is sized on the costliest trial (the largest shape at the shortest budget)
@@ -228,23 +228,36 @@ class Sweep(StudyStorage, ParentRun, Workers):
     def check_composes(self, config_loader) -> None:
         """Every trial's overrides must compose (keys exist, types fit) and pass the checks a single run
         gets up front (range checks, data.path, ...) before any trial starts: the lowest point, then
-        each choice and each upper end in turn."""
+        each choice and each upper end in turn. Every value is checked before what running needs of this
+        machine (the command's own run first), which imports torch and opens the store: a mistake in the
+        search is answered in a second."""
         from frontier.train import check, user_errors  # the train command line's own checks of one run
 
         # frontier.cli's Composer explains a failed override from the config before it: it needs only the loader
         composer = Composer(SimpleNamespace(config_loader=config_loader), self.config.hydra.job.config_name)
         first = {key: _low(dist) for key, dist in self.space.items()}
         batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
+        trials = []
         for params in batches:
             overrides = self.fixed + self.trial_overrides(params)
             try:
-                trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
+                trials.append((overrides, config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])))
             except Exception as err:
                 raise ConfigError(self.why_not_composed(composer, config_loader, params, err)) from None
-            try:  # e.g. a range reaching a depth of 0, a choice of data.path that does not exist
-                check_run(composer, trial_config, [parse_override(line) for line in overrides], check)
-            except user_errors() as err:
-                raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
+
+        def check_trials(checks, errors) -> None:
+            for overrides, trial_config in trials:
+                try:  # e.g. a range reaching a depth of 0, a choice of data.path that does not exist
+                    check_run(composer, trial_config, [parse_override(line) for line in overrides], checks)
+                except errors as err:
+                    raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
+
+        check_trials(None, ConfigError)  # their values (user_errors() would import torch to name the others)
+        try:
+            check_run(composer, self.config, [parse_override(line) for line in self.arguments], check)
+        except user_errors() as err:
+            raise ConfigError(str(err)) from None
+        check_trials(check, user_errors())
 
     def why_not_composed(self, composer: Composer, config_loader, params: dict, err: Exception) -> str:
         """The space's first value that does not compose, worded as the command line words it for a single
