@@ -1,9 +1,9 @@
 """`python -m frontier.standby`: a sweep trial's process, started before its trial is known.
 
 The sweep driver starts one per worker while that worker's trial trains, so the next trial does not
-pay Python's start and the imports of torch, Hydra, MLflow and Optuna again. It imports them, then
-waits for one line on its standard input: `{"argv": [...], "log": PATH}`, the trial's command line
-and its output.log. It then runs exactly what `python -m frontier.train ARGV > PATH 2>&1` runs, in
+pay Python's start and the imports of torch, Hydra, Optuna and (given `--tracked`) MLflow again. It
+imports them, then waits for one line on its standard input: `{"argv": [...], "log": PATH}`, the
+trial's command line and its output.log. It then runs exactly what `python -m frontier.train ARGV > PATH 2>&1` runs, in
 this process (a fresh one for every trial, so no state passes between trials). End of input before
 that line (the sweep ended, or its driver died) ends it at once, with nothing written.
 """
@@ -15,10 +15,11 @@ import runpy
 import sys
 
 
-def wait_for_trial() -> dict | None:
+def wait_for_trial(tracked: bool) -> dict | None:
     import frontier.train  # noqa: F401  Hydra and the command line
     import frontier.trainer  # noqa: F401  torch and the model
-    import frontier.mlflow_observer  # noqa: F401  MLflow
+    if tracked:  # an untracked trial never loads MLflow (a second and more of CPU)
+        import frontier.mlflow_observer  # noqa: F401
     import frontier.trial  # noqa: F401  Optuna
 
     line = sys.stdin.readline()
@@ -43,6 +44,6 @@ def run_trial(order: dict) -> None:
 
 
 if __name__ == "__main__":
-    order = wait_for_trial()
+    order = wait_for_trial("--tracked" in sys.argv[1:])
     if order is not None:
         run_trial(order)

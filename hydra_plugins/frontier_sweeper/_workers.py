@@ -268,8 +268,9 @@ class Workers:
             number = next(i for i, other in enumerate(self.slots) if other is slot)
             # appended: a slot's log keeps every standby's output, in turn
             with contextlib.suppress(OSError), open(self.sweep_dir / f".standby-{number}.log", "a") as out:
-                self.standby[id(slot)] = self.start_process(slot, [sys.executable, "-m", "frontier.standby"], stdout=out,
-                                                            stdin=subprocess.PIPE, text=True)
+                tracked = ["--tracked"] if self.config.tracking.enabled else []
+                command = [sys.executable, "-m", "frontier.standby", *tracked]
+                self.standby[id(slot)] = self.start_process(slot, command, stdout=out, stdin=subprocess.PIPE, text=True)
         return process
 
     def more_trials(self) -> bool:
