@@ -285,7 +285,7 @@ class Composer:
         the search, or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed."""
         overrides = sorted(overrides, key=lambda o: (o.key_or_group != "hydra.searchpath",  # where groups are found
                                                      o.is_delete() or not self.is_group(o.key_or_group)))
-        composed = {0: compose([])}  # prefix length -> its config
+        before = compose([])  # the config of overrides[:works]
         try:
             compose([o.input_line for o in overrides])
         except Exception as err:
@@ -298,12 +298,12 @@ class Composer:
         while breaks - works > 1:
             middle = (works + breaks) // 2
             try:
-                composed[middle] = compose([o.input_line for o in overrides[:middle]])
+                config = compose([o.input_line for o in overrides[:middle]])
             except Exception as err:
                 breaks, error = middle, err
             else:
-                works = middle
-        return overrides[works], self.explain(overrides[works], error, composed[works])
+                works, before = middle, config
+        return overrides[works], self.explain(overrides[works], error, before)
 
     def _recorded(self, lines: list[str], mode: RunMode) -> tuple[DictConfig, list]:
         """One composition of these lines (composing takes a third of a second), with Hydra's warnings."""
