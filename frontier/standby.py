@@ -3,9 +3,10 @@
 The sweep driver starts one per worker while that worker's trial trains, so the next trial does not
 pay Python's start and the imports of torch, Hydra, Optuna and (given `--tracked`) MLflow again. It
 imports them, then waits for one line on its standard input: `{"argv": [...], "log": PATH}`, the
-trial's command line and its output.log. It then runs exactly what `python -m frontier.train ARGV > PATH 2>&1` runs, in
-this process (a fresh one for every trial, so no state passes between trials). End of input before
-that line (the sweep ended, or its driver died) ends it at once, with nothing written.
+trial's command line and its output.log. It then runs exactly what `python -m frontier.train ARGV >
+PATH 2>&1` runs, in this process (a fresh one for every trial, so no state passes between trials).
+End of input before that line (the sweep ended, or its driver died) ends it at once, with nothing
+written.
 """
 from __future__ import annotations
 
