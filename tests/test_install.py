@@ -130,3 +130,22 @@ def test_ci_stops_when_readme_loses_a_command(tmp_path):
                           timeout=60)
     assert done.returncode == 1 and not done.stdout
     assert done.stderr.startswith("error: .ci/run cannot take the test command from README.md"), done.stderr
+
+
+def test_the_installed_pytest_xdist_keeps_an_xdist_group_on_one_worker(tmp_path):
+    """The suite's addopts (-n 2 --dist loadgroup) keep a module whose fixtures are costly on one worker,
+    which builds them once; some pytest and pytest-xdist releases together ignore the mark, silently."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_grouped.py").write_text(
+        "import os\nfrom pathlib import Path\n\nimport pytest\n\npytestmark = pytest.mark.xdist_group('costly')\n\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_one(i):\n"
+        "    (Path(os.environ['RAN']) / str(i)).write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
+    (tmp_path / "ran").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    env["RAN"] = str(tmp_path / "ran")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p",
+                           "no:cacheprovider", "test_grouped.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = [path.read_text() for path in (tmp_path / "ran").iterdir()]
+    assert len(workers) == 6 and len(set(workers)) == 1, workers
