@@ -252,13 +252,13 @@ def test_a_silent_trial_is_killed_and_failed_with_the_reason(tmp_path, shared_st
 def test_a_trial_past_its_timeout_is_killed_and_failed(tmp_path):
     storage = str(tmp_path / "study.journal")
     done = subprocess.run(driver_command(tmp_path / "out", *LONG, "tracking.enabled=false", "sweep.n_trials=1",
-                                         "sweep.trial_timeout=20", f"sweep.storage={storage}",
+                                         "sweep.trial_timeout=8", f"sweep.storage={storage}",
                                          "sweep.study_name=slow"),
                           cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     (trial,) = load(storage, "slow").get_trials(deepcopy=False)
     assert trial.state == TrialState.FAIL
-    assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=20 s"
+    assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=8 s"
     assert gone(Process.parse(trial.user_attrs["process"]))
 
 
