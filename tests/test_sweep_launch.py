@@ -86,6 +86,9 @@ def test_a_launched_trial_past_its_timeout_is_cancelled_and_recorded_with_why(tm
     trial = optuna.load_study(study_name="slow", storage=open_storage(storage)).trials[0]
     assert trial.state == TrialState.FAIL, done.stdout[-3000:]
     assert trial.user_attrs["fail_reason"] == "killed by its driver: it ran past sweep.trial_timeout=2 s"
+    # the driver moved on once the job ended, not waiting for the result a cancelled job never writes
+    log = (tmp_path / "out" / "0" / "output.log").read_text()
+    assert log.rstrip().endswith("job ended without a result: RuntimeError: it was cancelled before it returned")
 
 
 # The trn2 line of docs/sweeps.md, as Hydra composes it.

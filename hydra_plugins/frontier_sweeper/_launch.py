@@ -131,6 +131,9 @@ class LaunchedTrials:
                     # it finds its trial ended or its driver gone
                     raise RuntimeError(f"it did not end within {CANCEL_WAIT} s of its cancellation")
                 time.sleep(1.0)
+            if cancelled_at is not None and not job.paths.result_pickle.exists():
+                # a cancelled job writes no result, and submitit's result() would wait 15 s for one
+                raise RuntimeError("it was cancelled before it returned")
             return job.result()
         finally:
             for path in (job.paths.stdout, job.paths.stderr):  # one log per trial, as the built-in workers write
