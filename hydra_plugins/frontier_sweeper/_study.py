@@ -241,14 +241,15 @@ class Sweep(StudyStorage, ParentRun, Workers):
         for params in batches:
             overrides = self.fixed + self.trial_overrides(params)
             try:
-                trials.append((overrides, config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])))
+                trial_config = config_loader.load_sweep_config(self.config, overrides + ["trial.number=0"])
             except Exception as err:
                 raise ConfigError(self.why_not_composed(composer, config_loader, params, err)) from None
+            trials.append((overrides, [parse_override(line) for line in overrides], trial_config))
 
         def check_trials(checks, errors) -> None:
-            for overrides, trial_config in trials:
+            for overrides, parsed, trial_config in trials:
                 try:  # e.g. a range reaching a depth of 0, a choice of data.path that does not exist
-                    check_run(composer, trial_config, [parse_override(line) for line in overrides], checks)
+                    check_run(composer, trial_config, parsed, checks)
                 except errors as err:
                     raise ConfigError(f"{err}, in a trial of this search ({' '.join(overrides)})") from None
 
