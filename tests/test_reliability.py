@@ -1,4 +1,5 @@
 """Failure cases, one test each: the run ends with a clear status and nothing is lost."""
+import contextlib
 import json
 import math
 import os
@@ -676,15 +677,20 @@ def test_a_locked_mlflow_store_is_waited_for_and_the_run_recorded(wiki, tmp_path
     assert run.info.status == "FINISHED" and "val_bpb" in run.data.metrics
 
 
-def processes_with(text: str) -> list[int]:
+def processes_of(driver: int) -> list[int]:
+    """The processes a sweep driver started, its trials and its standby processes: each is told its
+    driver in its environment (a trial run by a standby process has no trial override in its cmdline)."""
+    from frontier.study import DRIVER_ENV, Process
+
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                environ = open(f"/proc/{entry}/environ", "rb").read().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if text in cmdline:
+            told = next((line.partition("=")[2] for line in environ if line.startswith(f"{DRIVER_ENV}=")), None)
+            if told and Process.parse(told).pid == driver:
                 found.append(int(entry))
     return found
 
@@ -702,9 +708,11 @@ def test_a_sweep_killed_mid_trial_resumes_keeping_finished_trials_and_failing_th
                "eval.every_fraction=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(tmp_path / "sweep" / "1" / "output.log", driver)  # trial 0 is done, trial 1 running
+    trials = processes_of(driver.pid)
     driver.kill()
-    for pid in processes_with(f"trial.study={study}"):  # the machine went down with its trials
-        os.kill(pid, signal.SIGKILL)
+    for pid in trials:  # the machine went down with its trials
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     driver.wait()  # trial 1's pid has exited: the next driver fails it at once, on this machine
 
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
