@@ -705,7 +705,12 @@ def doomed_storage(request, tmp_path):
     if request.param == "journal":
         folder = tmp_path / "store"
         folder.mkdir()
-        yield str(folder / "study.journal"), lambda: shutil.rmtree(folder)
+
+        def remove():  # renamed first, at once: the sweep's lock files, made meanwhile, cannot stop an rmtree
+            folder.rename(tmp_path / "removed")
+            shutil.rmtree(tmp_path / "removed")
+
+        yield str(folder / "study.journal"), remove
         return
     postgres_or_skip()
     from sqlalchemy import create_engine, text
