@@ -18,10 +18,10 @@ def test_time_outside_steps_is_not_charged():
     clock = BudgetClock(BudgetConfig(seconds=10, excluded_steps=0))
     with clock.step():
         time.sleep(0.05)
-    time.sleep(0.2)  # an evaluation between steps
+    time.sleep(1.0)  # an evaluation between steps: far longer than a busy machine oversleeps the steps
     with clock.step():
         time.sleep(0.05)
-    assert 0.1 <= clock.charged < 0.2
+    assert 0.1 <= clock.charged < 0.5
 
 
 def test_done_at_the_budget_or_at_max_steps():

@@ -261,7 +261,7 @@ uri, folder, index = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 (folder / f"ready{index}").touch()
 while not (folder / "go").exists():  # all four hit the fresh store at the same moment
     time.sleep(0.01)
-tracking = TrackingConfig(uri=uri, experiment="race", run_name=f"worker{index}")
+tracking = TrackingConfig(uri=uri, experiment="race", run_name=f"worker{index}", flush_seconds=120)  # ample at load
 run = SimpleNamespace(config=SimpleNamespace(tracking=tracking), raw=OmegaConf.create({"seed": index}),
                       run_dir=folder / f"run{index}", summary={})
 observer = MlflowObserver.for_run(run)
@@ -458,8 +458,8 @@ def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut
     run_id = client.create_run(client.create_experiment("slow")).info.run_id
     landed = []
 
-    def slow(name):  # longer than flush_seconds below
-        time.sleep(1.0)
+    def slow(name):  # longer than flush_seconds below, which leaves a starved thread a second to start it
+        time.sleep(2.0)
         landed.append(name)
 
     for calls, acked in (([(slow, "end")], "FINISHED"), ([(slow, "end"), (slow, "status")], None)):
@@ -469,7 +469,7 @@ def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut
         monkeypatch.setattr(mlflow_observer, "_end_calls", lambda *args, calls=calls: calls)
         landed.clear()
         observer = tracking.MlflowObserver(client, store, run_id, run_dir,
-                                           SimpleNamespace(log_checkpoint=False, flush_seconds=0.5))
+                                           SimpleNamespace(log_checkpoint=False, flush_seconds=1.0))
         observer.on_end({"steps": 3}, "FINISHED", None)
         assert landed == ["end"]
         assert tracking.read_ack(run_dir).get("terminal_status") == acked

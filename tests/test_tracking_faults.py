@@ -310,15 +310,23 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
                                 "checkpoint.every_fraction=0.25", f"tracking.uri={uri}"])  # resume.pt every 5 steps
     client = MlflowClient(uri)
 
-    def logged_past_checkpoint() -> bool:  # MLflow holds steps after the last resume point
+    def logged_past_checkpoint() -> bool:  # metrics.jsonl and MLflow hold steps after the last resume point
         if not (run_dir / "resume.pt").exists() or not (run_dir / "tracking.json").exists():
             return False
+        resume_step = torch.load(run_dir / "resume.pt", weights_only=False)["clock"]["steps"]
         run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
         last = max((m.step for m in client.get_metric_history(run_id, "train/loss")), default=0)
-        return last > 5 and last % 5 != 0
+        written = max((r["step"] for r in read_records(run_dir / "metrics.jsonl")), default=0)
+        return min(last, written) > resume_step
 
-    trainer.wait_for("steps after a checkpoint", logged_past_checkpoint)
-    freeze_between_writes(trainer, tmp_path / "mlflow.db")
+    for _ in range(10):  # MLflow's thread lags the trainer, which may checkpoint again before it is frozen
+        trainer.wait_for("steps after a checkpoint", logged_past_checkpoint)
+        freeze_between_writes(trainer, tmp_path / "mlflow.db")
+        if logged_past_checkpoint():
+            break
+        trainer.proc.send_signal(signal.SIGCONT)
+    else:
+        raise AssertionError("the trainer was never frozen with steps logged past its last checkpoint")
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     # While its process lives (frozen here), no second process may write into the run directory.
     hydra_record = (run_dir / ".hydra" / "config.yaml").read_text()
