@@ -46,15 +46,30 @@ def is_pareto(study: optuna.Study) -> bool:
     return len(study.directions) > 1
 
 
+def optuna_importance():
+    """optuna.importance without scikit-learn, which it imports at once for fANOVA (unused here): 1.6
+    CPU-seconds at the end of every sweep. Optuna takes a failed import of it as fANOVA unavailable."""
+    if "optuna.importance" not in sys.modules and "sklearn" not in sys.modules:
+        sys.modules["sklearn"] = None  # `import sklearn` raises ImportError
+        try:
+            import optuna.importance  # noqa: F401
+        finally:
+            del sys.modules["sklearn"]
+    import optuna.importance
+
+    return optuna.importance
+
+
 def param_importances(study: optuna.Study) -> dict[str, float]:
     """PED-ANOVA (Optuna's default, pinned): needs a few complete trials that differ. A pareto
     study's importances are for val_bpb."""
     target = (lambda t: t.values[0]) if is_pareto(study) else None
+    importance = optuna_importance()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return optuna.importance.get_param_importances(
-                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(), target=target)
+            return importance.get_param_importances(study, evaluator=importance.PedAnovaImportanceEvaluator(),
+                                                    target=target)
     except (ValueError, RuntimeError, ZeroDivisionError):
         return {}
 
