@@ -22,7 +22,7 @@ pytestmark = pytest.mark.xdist_group("test_compiled_parity")
 
 VOCAB, STEPS = 512, 10
 OVERRIDES = ["model=tiny", "precision=fp32", "seed=3", "model.seq_len=64", "model.d_model=64",
-             "model.value_embed_layers=[1,3]", "model.layer_scalars=true",
+             "model.depth=2", "model.value_embed_layers=[1]", "model.layer_scalars=true",
              "train.batch_tokens=1024", "train.device_batch_rows=8",  # two micro-batches a step
              f"data.vocab_size={VOCAB}", f"budget.max_steps={STEPS}", "tracking.enabled=false"]
 
