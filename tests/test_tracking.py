@@ -456,10 +456,10 @@ def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut
     said once, and tracking.json names no terminal status, so `sync` sends it."""
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("slow")).info.run_id
-    landed = []
+    landed, flush = [], 1.0
 
-    def slow(name):  # longer than flush_seconds below, which leaves a starved thread a second to start it
-        time.sleep(2.0)
+    def slow(name):  # in flight when flush_seconds runs out, landing 0.2 s later (on_end waits IN_FLIGHT_SECONDS)
+        time.sleep(flush + 0.2)
         landed.append(name)
 
     for calls, acked in (([(slow, "end")], "FINISHED"), ([(slow, "end"), (slow, "status")], None)):
@@ -469,7 +469,7 @@ def test_an_end_the_store_takes_just_after_flush_seconds_is_recorded_and_one_cut
         monkeypatch.setattr(mlflow_observer, "_end_calls", lambda *args, calls=calls: calls)
         landed.clear()
         observer = tracking.MlflowObserver(client, store, run_id, run_dir,
-                                           SimpleNamespace(log_checkpoint=False, flush_seconds=1.0))
+                                           SimpleNamespace(log_checkpoint=False, flush_seconds=flush))
         observer.on_end({"steps": 3}, "FINISHED", None)
         assert landed == ["end"]
         assert tracking.read_ack(run_dir).get("terminal_status") == acked
