@@ -378,14 +378,15 @@ def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
 def test_a_trial_that_never_beat_is_failed_after_the_grace_period_on_every_storage(tmp_path):
     """A driver killed between creating a trial and launching it leaves a trial with no heartbeat at
     all; Optuna's RDB storage alone would never call it stale."""
+    grace = 4  # ample for two asks at load
     for spec in every_storage(tmp_path):
         name = f"never-beat-{uuid.uuid4().hex[:8]}"
-        storage = open_storage(spec, heartbeat_interval=1, grace_period=4)  # ample for two asks at load
+        storage = open_storage(spec, heartbeat_interval=1, grace_period=grace)
         study = optuna.create_study(study_name=name, storage=storage)
         try:
             orphan, beating = study.ask(), study.ask()
             assert settle_orphans(study) == [], f"{spec}: a trial younger than the grace period was failed"
-            time.sleep(4.5)
+            time.sleep(grace + 0.5)
             storage.record_heartbeat(beating._trial_id)
             assert [t.number for t in settle_orphans(study)] == [orphan.number], spec
             states = [t.state for t in study.get_trials(deepcopy=False)]
