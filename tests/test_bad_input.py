@@ -221,7 +221,7 @@ def isolated(folder) -> list[str]:
             f"tracking.uri=sqlite:///{folder}/mlflow.db", f"data.cache_dir={folder}/cache"]
 
 
-@pytest.mark.parametrize("args, message", spread(BAD, [" ".join(args) for args, _ in BAD], every=4))
+@pytest.mark.parametrize("args, message", spread(BAD, [" ".join(args) for args, _ in BAD], every=6))
 def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
     options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
     overrides = [arg for arg in args if arg not in options]
@@ -285,10 +285,14 @@ def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
-@pytest.mark.parametrize("store", ["in a file", "not a database"])
-@pytest.mark.parametrize("args", [[], ["--multirun", "sweep=lr"],
-                                  ["--multirun", "sweep=lr", "tracking.required=false"]],
-                         ids=["run", "sweep", "sweep, not required"])
+STORE_COMMANDS = [([], "run"), (["--multirun", "sweep=lr"], "sweep"),
+                  (["--multirun", "sweep=lr", "tracking.required=false"], "sweep, not required")]
+
+
+@pytest.mark.parametrize("args, store", spread([(args, store) for store in ["in a file", "not a database"]
+                                                for args, _ in STORE_COMMANDS],
+                                               [f"{name}-{store}" for store in ["in a file", "not a database"]
+                                                for _, name in STORE_COMMANDS], every=5))
 def test_a_tracking_store_that_cannot_be_used_is_refused_before_anything_is_written(tmp_path, args, store):
     """A SQLite tracking.uri whose folder cannot be created, or that names a file that is not a database,
     was found only as the store was opened: by then Hydra had made the run directory (a FAILED run, 'not
@@ -334,6 +338,7 @@ def test_what_this_machine_lacks_is_one_sentence_before_anything_is_written(tmp_
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_trial_launched_into_a_study_that_is_not_there_is_one_sentence(tmp_path):
     """trial.* is what a sweep driver hands its trials; set by hand, a wrong one names its key."""
     import optuna

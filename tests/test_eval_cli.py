@@ -194,10 +194,10 @@ def test_eval_refuses_a_damaged_or_foreign_file_beside_the_checkpoint(tiny_check
     assert "core:" not in result.stdout
 
 
-def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(trained, tmp_path):
+def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 
-    shutil.copy(trained / "final.pt", tmp_path / "final.pt")
+    shutil.copy(tiny_checkpoint, tmp_path / "final.pt")
     result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'final.pt'}",
                              "device=cpu", "tracking.enabled=false"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)

@@ -637,6 +637,7 @@ def build_cache(args):
         f.write(f"{len(builds)} {corpus.num_tokens}\n")
 
 
+@pytest.mark.slow
 def test_four_processes_racing_build_the_cache_once(tmp_path):
     folder = shards(tmp_path / "d", [[f"document {i} " * 50 for i in range(300)], ["held out"] * 10])
     log = tmp_path / "log"

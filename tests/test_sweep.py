@@ -374,25 +374,29 @@ def test_a_running_trial_without_heartbeats_is_failed(tmp_path):
     assert alive_trial.state == TrialState.RUNNING
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_a_trial_that_never_beat_is_failed_after_the_grace_period_on_every_storage(tmp_path):
     """A driver killed between creating a trial and launching it leaves a trial with no heartbeat at
     all; Optuna's RDB storage alone would never call it stale."""
     grace = 4  # ample for two asks at load
-    for spec in every_storage(tmp_path):
-        name = f"never-beat-{uuid.uuid4().hex[:8]}"
-        storage = open_storage(spec, heartbeat_interval=1, grace_period=grace)
-        study = optuna.create_study(study_name=name, storage=storage)
-        try:
-            orphan, beating = study.ask(), study.ask()
+    studies = []
+    try:
+        for spec in every_storage(tmp_path):  # one grace period for all: the waiting is the test's cost
+            name = f"never-beat-{uuid.uuid4().hex[:8]}"
+            storage = open_storage(spec, heartbeat_interval=1, grace_period=grace)
+            study = optuna.create_study(study_name=name, storage=storage)
+            studies.append((spec, storage, study, study.ask(), study.ask()))
             assert settle_orphans(study) == [], f"{spec}: a trial younger than the grace period was failed"
-            time.sleep(grace + 0.5)
+        time.sleep(grace + 0.5)
+        for spec, storage, study, orphan, beating in studies:
             storage.record_heartbeat(beating._trial_id)
             assert [t.number for t in settle_orphans(study)] == [orphan.number], spec
             states = [t.state for t in study.get_trials(deepcopy=False)]
             assert states == [TrialState.FAIL, TrialState.RUNNING], spec
-        finally:
-            optuna.delete_study(study_name=name, storage=storage)
+    finally:
+        for _, storage, study, _, _ in studies:
+            optuna.delete_study(study_name=study.study_name, storage=storage)
 
 
 def test_an_orphaned_trial_keeps_a_finished_result_and_fails_otherwise(tmp_path):
@@ -450,7 +454,7 @@ def every_storage(tmp_path: Path) -> list[str]:
     return [*storages(tmp_path), f"sqlite:///{tmp_path / 'study.db'}"]
 
 
-@pytest.mark.parametrize("sampler", ["random", "tpe"])
+@pytest.mark.parametrize("sampler", [pytest.param("random", marks=pytest.mark.slow), "tpe"])
 def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, sampler):
     for storage in storages(tmp_path):
         name = f"seeds-{sampler}-{uuid.uuid4().hex[:8]}"
@@ -470,6 +474,7 @@ def test_drivers_of_one_study_never_repeat_a_proposal(compose_sweep, tmp_path, s
             optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
+@pytest.mark.slow
 def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path):
     """The lock around "count, then ask" and the parent run's creation; a lock not taken on an RDB
     once let two drivers starting together each open a parent run."""
@@ -494,6 +499,7 @@ def test_two_drivers_of_one_study_take_its_lock_in_turn(compose_sweep, tmp_path)
             optuna.delete_study(study_name=name, storage=open_storage(storage))
 
 
+@pytest.mark.slow
 def test_a_second_driver_with_other_overrides_is_refused_before_any_trial(compose_sweep, tmp_path):
     """Two drivers starting together on one study: the second must not overwrite the first's overrides,
     nor its pruner, its space, nor its sampler's proposals."""

@@ -237,6 +237,7 @@ def mlflow_server(tmp_path, template_db):
         log.close()
 
 
+@pytest.mark.slow
 def test_run_over_http_server(tmp_path, mlflow_server):
     raw = compose_cfg(f"tracking.uri={mlflow_server}")
     train(raw, tmp_path / "run")
@@ -362,6 +363,7 @@ def test_run_that_raises_ends_failed(tmp_path, store, monkeypatch):
     assert {"config.yaml", "summary.json"} <= artifact_paths(client, run.info.run_id)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_killed(tmp_path, store):
     uri = store
     args = [*FAST, "budget.seconds=600", "budget.max_steps=null", "train.log_every_fraction=0.001",
@@ -393,12 +395,12 @@ def test_sigterm_ends_killed(tmp_path, store):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "KILLED"
 
 
-@pytest.mark.parametrize("store, reason", [
+@pytest.mark.parametrize("store, reason", spread([
     ("http://127.0.0.1:{port}", "is unreachable (ConnectionError); start the server or correct the URI"),
     # MLflow's SQL store retried this for two minutes, after Hydra had written the run directory
     ("postgresql://postgres@127.0.0.1:{port}/x", "could not be opened (psycopg2.OperationalError: connection to"),
     ("foo://bar", "could not be opened (UnsupportedModelRegistryStoreURIException"),
-])
+], ["http", "postgresql", "unknown scheme"], every=3))
 def test_a_store_that_cannot_be_opened_stops_the_run_before_anything_is_written(tmp_path, store, reason):
     url = store.format(port=free_port())  # nothing listens there
     done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, f"tracking.uri={url}",
@@ -686,7 +688,7 @@ DAMAGED_RUN_FILES = [  # (what breaks a run directory's file, what sync says of 
 ]
 
 
-@pytest.mark.parametrize("damage, says", spread(DAMAGED_RUN_FILES, [says for _, says in DAMAGED_RUN_FILES], every=3))
+@pytest.mark.parametrize("damage, says", spread(DAMAGED_RUN_FILES, [says for _, says in DAMAGED_RUN_FILES], every=4))
 def test_sync_names_a_run_file_it_cannot_read_and_leaves_the_run_as_it_was(tmp_path, store, damage, says):
     """A run directory's own file that is unreadable or of the wrong kind is one sentence naming it, exit 2:
     never blamed on the store (exit 1, "run it again when the store answers"), never a status it did not end with."""
