@@ -157,6 +157,9 @@ def _load_file(path: Path, text_column: str):
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    # a local file has no hub download count: updating it was a network call per file, seconds of DNS
+    # timeouts on a machine without a network
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}[path.suffix]
     if builder != "parquet":
         _check_utf8(path)

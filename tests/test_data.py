@@ -52,6 +52,25 @@ def corpus_of(tmp_path, folder):
     return cfg, train, val, tokenizer, load_corpus(train, tokenizer, cfg, "train")
 
 
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".txt"])
+def test_reading_local_files_never_reaches_for_the_network(tmp_path, monkeypatch, suffix):
+    """`datasets` sent a request per file it opened (the hub's download count): seconds of DNS timeouts
+    per cache build on a machine without a network."""
+    import socket
+
+    asked = []
+
+    def no_network(host, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    folder = write_shards(tmp_path / "s", 5) if suffix == ".parquet" else write_text_shards(tmp_path / "s", suffix)
+    train, val = resolve_splits(config(tmp_path, folder))
+    assert sum(len(docs) for split in (train, val) for docs in data_module.iter_documents(split, "text")) > 0
+    assert asked == []
+
+
 def test_last_shard_is_validation_and_never_trained_on(tmp_path):
     folder = write_shards(tmp_path / "shards", 50)
     train, val = resolve_splits(config(tmp_path, folder))
