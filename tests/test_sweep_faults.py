@@ -827,6 +827,7 @@ def test_a_trial_ended_by_a_driver_while_it_trains_stops_killed_and_counts_as_fa
 # A full disk
 
 
+@pytest.mark.slow
 def test_a_sweep_on_a_full_disk_is_one_line_and_leaves_no_empty_journal(tmp_path, small_disk):
     """Its journal, or its folder, on a disk with no space left: one sentence, exit 2, before a study is
     made; tracebacks from deep inside had ended the sweep (exit 1), leaving an empty journal, or a study

@@ -688,7 +688,7 @@ DAMAGED_RUN_FILES = [  # (what breaks a run directory's file, what sync says of 
 ]
 
 
-@pytest.mark.parametrize("damage, says", spread(DAMAGED_RUN_FILES, [says for _, says in DAMAGED_RUN_FILES], every=4))
+@pytest.mark.parametrize("damage, says", spread(DAMAGED_RUN_FILES, [says for _, says in DAMAGED_RUN_FILES], every=7))
 def test_sync_names_a_run_file_it_cannot_read_and_leaves_the_run_as_it_was(tmp_path, store, damage, says):
     """A run directory's own file that is unreadable or of the wrong kind is one sentence naming it, exit 2:
     never blamed on the store (exit 1, "run it again when the store answers"), never a status it did not end with."""
