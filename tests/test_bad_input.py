@@ -285,14 +285,12 @@ def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
-STORE_COMMANDS = [([], "run"), (["--multirun", "sweep=lr"], "sweep"),
-                  (["--multirun", "sweep=lr", "tracking.required=false"], "sweep, not required")]
+STORE_CASES = [((args, store), f"{name}-{store}") for store in ("in a file", "not a database")
+               for args, name in [([], "run"), (["--multirun", "sweep=lr"], "sweep"),
+                                  (["--multirun", "sweep=lr", "tracking.required=false"], "sweep, not required")]]
 
 
-@pytest.mark.parametrize("args, store", spread([(args, store) for store in ["in a file", "not a database"]
-                                                for args, _ in STORE_COMMANDS],
-                                               [f"{name}-{store}" for store in ["in a file", "not a database"]
-                                                for _, name in STORE_COMMANDS], every=5))
+@pytest.mark.parametrize("args, store", spread(*zip(*STORE_CASES), every=5))
 def test_a_tracking_store_that_cannot_be_used_is_refused_before_anything_is_written(tmp_path, args, store):
     """A SQLite tracking.uri whose folder cannot be created, or that names a file that is not a database,
     was found only as the store was opened: by then Hydra had made the run directory (a FAILED run, 'not
