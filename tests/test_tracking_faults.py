@@ -135,11 +135,22 @@ class Trainer:
                 self.proc.wait()
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of `pid` has stopped: a SIGSTOP is sent at once and taken a moment later."""
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+               for task in Path(f"/proc/{pid}/task").iterdir())
+
+
 def freeze_between_writes(trainer: Trainer, db: Path) -> None:
     """SIGSTOP the trainer at a moment it holds no lock on its SQLite store: frozen inside a transaction,
-    it would lock every other process out of the store for as long as it stays frozen."""
+    it would lock every other process out of the store for as long as it stays frozen. The lock is
+    looked at only once every thread has stopped: one still running could take it after the look."""
     for _ in range(100):
         trainer.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not stopped(trainer.proc.pid):
+            assert time.monotonic() < deadline, "the trainer did not stop within 10 s of SIGSTOP"
+            time.sleep(0.01)
         try:
             with contextlib.closing(sqlite3.connect(db, timeout=0)) as conn:
                 conn.execute("BEGIN EXCLUSIVE")  # refused while another process holds any lock
