@@ -47,8 +47,9 @@ class Split:
     doc_slice: tuple[float, float] = (0.0, 1.0)  # fraction range of each file's documents
 
     def identity(self) -> list:
-        """What a cache built from this split depends on: paths, sizes, modification times."""
-        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files] + [list(self.doc_slice)]
+        """What a cache built from this split depends on: each file's real path (however data.path reaches
+        it: a link, a relative path), size and modification time."""
+        return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files] + [list(self.doc_slice)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,6 +121,19 @@ def test_second_load_reuses_the_caches(tmp_path, monkeypatch):
     assert corpus.num_documents == 100
 
 
+def test_the_same_files_reached_by_a_link_or_a_relative_path_reuse_the_caches(tmp_path, monkeypatch):
+    folder = write_shards(tmp_path / "s", 50)
+    corpus_of(tmp_path, folder)
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a: pytest.fail("tokenizer retrained"))
+    monkeypatch.setattr(data_module, "_build_corpus", lambda *a: pytest.fail("corpus rebuilt"))
+    for spelling in (tmp_path / "link", Path("s"), Path("link")):
+        *_, corpus = corpus_of(tmp_path, spelling)
+        assert corpus.num_documents == 100
+    assert len(list((tmp_path / "cache" / "tokens").glob("train-*/"))) == 1
+
+
 def test_a_text_file_is_split_by_documents(tmp_path):
     path = tmp_path / "book.txt"
     path.write_text("\n\n".join(f"Paragraph number {i} of the book." for i in range(100)))
