@@ -147,10 +147,7 @@ def freeze_between_writes(trainer: Trainer, db: Path) -> None:
     looked at only once every thread has stopped: one still running could take it after the look."""
     for _ in range(100):
         trainer.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while not stopped(trainer.proc.pid):
-            assert time.monotonic() < deadline, "the trainer did not stop within 10 s of SIGSTOP"
-            time.sleep(0.01)
+        trainer.wait_for("every thread to stop after SIGSTOP", lambda: stopped(trainer.proc.pid), timeout=10)
         try:
             with contextlib.closing(sqlite3.connect(db, timeout=0)) as conn:
                 conn.execute("BEGIN EXCLUSIVE")  # refused while another process holds any lock
