@@ -42,7 +42,7 @@ def test_two_ranks_follow_the_single_process_loss_trajectory(wiki, tmp_path):
     assert len(one) == len(two) == 4
     assert all(math.isclose(a, b, rel_tol=2e-2) for a, b in zip(one, two)), (one, two)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["tokens_seen"] == 4 * 8192
+    assert summary["world_size"] == 2 and summary["tokens_seen"] == 4 * 2048
 
     # The consolidated checkpoint loads on one device, and one process measures the same val_bpb.
     raw = compose_config(STEPS)
@@ -66,7 +66,7 @@ def test_both_ranks_stop_at_the_same_step_under_a_time_budget(wiki, tmp_path):
 def test_a_world_size_that_does_not_divide_the_batch_is_one_clear_error(wiki, tmp_path):
     result = torchrun(3, [*FAST, f"hydra.run.dir={tmp_path}"])
     assert result.returncode != 0
-    message = ("train.batch_tokens=8192 is not allowed: it gives 32 rows of model.seq_len=256 per step, which the "
+    message = ("train.batch_tokens=2048 is not allowed: it gives 8 rows of model.seq_len=256 per step, which the "
                "world size 3 does not divide")
     assert result.stderr.count(message) == 1  # said once, by rank 0
 
