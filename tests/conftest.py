@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import traceback
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -97,6 +102,48 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> s
     """`python -m frontier.train ARGS` from the project root, as a user would type it."""
     return subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def command_in_process(module: str, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` from the project root, run in this process as Python runs it (runpy, sys.argv),
+    without a new interpreter's start and imports (most of the CPU of a command that refuses its input):
+    its exit code, standard output and standard error, as subprocess.run gives them."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, cwd, environ = sys.argv, os.getcwd(), dict(os.environ)
+    composing, run_config = GlobalHydra.instance().is_initialized(), HydraConfig.instance().cfg
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    os.chdir(ROOT)
+    os.environ.update(env or {})
+    sys.argv = [module, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # runpy's note that the module was imported before (by an earlier command here): a process starts afresh
+            warnings.filterwarnings("ignore", r".* found in sys.modules after import of package", RuntimeWarning)
+            try:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as exit_:  # as the interpreter turns it into an exit code
+                code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+            except Exception:  # a traceback and exit code 1, as from a process of its own
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        # what a command refused inside Hydra leaves set in this process: Hydra's state, its logging configuration
+        if not composing:
+            GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = run_config
+        root.handlers[:], root.level = handlers, level
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
 
 
 def spread(rows: list[tuple], ids: list[str], every: int) -> list:

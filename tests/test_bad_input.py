@@ -1,8 +1,10 @@
 """Every kind of bad input stops before training with one clear sentence and exit code 2.
 
-Each mistake of the command line is run through the real `python -m frontier.train` with Hydra's
-run and sweep directories, the MLflow store and the data caches pointed into an empty folder, and
-must leave that folder empty: nothing is written for a command that is refused.
+Each mistake of the command line is run as `python -m frontier.train` runs it, with Hydra's run and
+sweep directories, the MLflow store and the data caches pointed into an empty folder, and must leave
+that folder empty: nothing is written for a command that is refused. The tables run in the test's own
+process (runpy, as `python -m` runs a module: a process's start and imports cost five times the
+refusal); a spread of each table also runs as a process of its own, which must say the same.
 """
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FAST, ROOT, run_cli, spread
+from tests.conftest import FAST, ROOT, command_in_process, run_cli, spread
 
 MODELS = "base, "  # the start of the list of model presets
 
@@ -221,13 +223,18 @@ def isolated(folder) -> list[str]:
             f"tracking.uri=sqlite:///{folder}/mlflow.db", f"data.cache_dir={folder}/cache"]
 
 
-@pytest.mark.parametrize("args, message", spread(BAD, [" ".join(args) for args, _ in BAD], every=6))
-def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
+def bad_command_line(folder, args: list[str]) -> list[str]:
+    """A row's mistake on the base command line, every place it could write inside `folder`."""
     options = [arg for arg in args if arg.startswith("--") or arg == "job"]  # before the overrides, as Hydra reads them
     overrides = [arg for arg in args if arg not in options]
     if {"sweep=lr", "sweep=frontier"} & set(overrides) and not any(o.startswith("sweep.storage=") for o in overrides):  # the study's too
-        overrides.append(f"sweep.storage={tmp_path}/study.journal")
-    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides], timeout=120)
+        overrides.append(f"sweep.storage={folder}/study.journal")
+    return [*options, *FAST, "budget.max_steps=1", *isolated(folder), *overrides]
+
+
+@pytest.mark.parametrize("args, message", spread(BAD, [" ".join(args) for args, _ in BAD], every=6))
+def test_a_bad_command_line_is_one_sentence_exit_2_and_writes_nothing(tmp_path, args, message):
+    result = command_in_process("frontier.train", bad_command_line(tmp_path, args))
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
@@ -264,7 +271,7 @@ def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(
         options += ["--config-dir", str(tmp_path / "conf")]
     else:  # after the choice: Hydra applies a search path first, and so must the search for the culprit
         chosen.append(f"hydra.searchpath=[file://{tmp_path / 'conf'}]")
-    result = run_cli([*options, *FAST, *isolated(tmp_path / "out"), *chosen], timeout=120)
+    result = command_in_process("frontier.train", [*options, *FAST, *isolated(tmp_path / "out"), *chosen])
     assert result.returncode == 2, result.stderr
     message = message.replace("{conf}", str(tmp_path / "conf"))
     assert result.stderr.startswith(f"error: {group}=mine is not allowed: {message}"), result.stderr
@@ -303,8 +310,8 @@ def test_a_tracking_store_that_cannot_be_used_is_refused_before_anything_is_writ
     options, overrides = args[:1], args[1:]
     if overrides:
         overrides.append(f"sweep.storage={tmp_path}/study.journal")
-    result = run_cli([*options, *FAST, "budget.max_steps=1", *isolated(tmp_path), *overrides, f"tracking.uri={uri}"],
-                     timeout=120)
+    result = command_in_process("frontier.train", [*options, *FAST, "budget.max_steps=1", *isolated(tmp_path),
+                                                   *overrides, f"tracking.uri={uri}"])
     assert result.returncode == 2, result.stderr
     problem = (f"its database cannot be created (Not a directory); {tmp_path / 'a_file'} is not a writable directory"
                if store == "in a file" else
@@ -329,7 +336,8 @@ def test_what_this_machine_lacks_is_one_sentence_before_anything_is_written(tmp_
     out = tmp_path / "out"
     out.mkdir()
     args = [arg.format(empty=empty) for arg in args]
-    result = run_cli([*FAST, "budget.max_steps=1", *isolated(out), *args], timeout=120, env={"NKI_SIMULATOR": "0"})
+    result = command_in_process("frontier.train", [*FAST, "budget.max_steps=1", *isolated(out), *args],
+                                env={"NKI_SIMULATOR": "0"})
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message.format(empty=empty)}"), result.stderr
@@ -400,8 +408,7 @@ OTHER_COMMANDS = [  # (module, arguments, what its one sentence names)
 @pytest.mark.parametrize("module, args, names", spread(OTHER_COMMANDS, [f"{m} {' '.join(a)}" for m, a, _ in OTHER_COMMANDS],
                                                       every=3))
 def test_the_other_commands_refuse_an_unknown_key_in_one_sentence(module, args, names):
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = command_in_process(module, args)
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], result.stderr
@@ -552,11 +559,31 @@ def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(t
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "file").write_text("")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = command_in_process(module, args)
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert lines[-1].startswith(f"error: {key.replace('{tmp}', str(tmp_path))}") and reason in lines[-1], lines
+
+
+ALONE = ([("frontier.train", bad_command_line("{tmp}", args), " ".join(args)) for args, _ in BAD[::12]]
+         + [(module, args, f"{module} {' '.join(args)}") for module, args, _ in OTHER_COMMANDS[::4]]
+         + [(module, args, f"{module} {name}") for (module, args, _, _), name in zip(REFUSED_PATHS[::5],
+                                                                                   REFUSED_PATH_IDS[::5])])
+
+
+@pytest.mark.parametrize("module, args", [row[:2] for row in ALONE], ids=[row[2] for row in ALONE])
+def test_a_refused_command_says_the_same_from_a_process_of_its_own(tmp_path, module, args):
+    """The tables' spread as separate `python -m` processes: the same exit code and sentence as in the
+    test's process, nothing written, and no traceback from a module's import that a process does afresh."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # what the rows of REFUSED_PATHS name
+    (tmp_path / "file").write_text("")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    alone = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
+    here = command_in_process(module, args)
+    assert alone.returncode == here.returncode == 2, alone.stderr
+    assert alone.stderr == here.stderr and len(alone.stderr.splitlines()) == 1, (alone.stderr, here.stderr)
 
 
 @pytest.mark.parametrize("module, args, usage", [
@@ -568,8 +595,7 @@ def test_a_path_the_os_refuses_or_a_value_out_of_bounds_is_one_sentence_exit_2(t
 ])
 def test_a_side_command_s_help_is_its_usage_and_exit_0(module, args, usage):
     """--help had been refused as an argument that is not key=value, with exit code 2."""
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = command_in_process(module, args)
     assert result.returncode == 0 and result.stderr == "" and usage in result.stdout, result.stdout + result.stderr
 
 

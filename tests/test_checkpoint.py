@@ -1,6 +1,4 @@
 """A missing, truncated or foreign checkpoint is one sentence naming the file, wherever it is read."""
-import subprocess
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -9,7 +7,7 @@ import torch
 from frontier.checkpoint import CheckpointError, load_for_eval, read_checkpoint, save_final
 from frontier.config import ConfigError, ModelConfig
 from frontier.model import GPT
-from tests.conftest import ROOT, run_cli
+from tests.conftest import command_in_process
 
 
 class _Tokenizer:  # save_final needs only these two
@@ -83,8 +81,7 @@ def test_load_for_eval_refuses_a_truncated_final_pt(final_pt):
 @pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
 def test_eval_command_refuses_a_damaged_final_pt(final_pt, damage, reason):
     damage(final_pt)
-    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={final_pt}", "device=cpu",
-                             "tracking.enabled=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = command_in_process("frontier.eval", [f"checkpoint={final_pt}", "device=cpu", "tracking.enabled=false"])
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"error: checkpoint={final_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
@@ -93,7 +90,7 @@ def test_eval_command_refuses_a_damaged_final_pt(final_pt, damage, reason):
 @pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
 def test_resume_refuses_a_damaged_resume_pt(tmp_path, final_pt, damage, reason):
     resume_pt = damage(final_pt.rename(final_pt.with_name("resume.pt")))
-    result = run_cli([f"resume={resume_pt.parent}", f"hydra.run.dir={tmp_path / 'new'}"], timeout=120)
+    result = command_in_process("frontier.train", [f"resume={resume_pt.parent}", f"hydra.run.dir={tmp_path / 'new'}"])
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"error: resume={resume_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
@@ -107,7 +104,7 @@ def test_resume_refuses_a_resume_pt_whose_config_is_not_this_versions(tmp_path):
     state = {key: {} for key in RESUME_KEYS}
     state["config"] = {"model": {"depth": 2, "no_such_knob": 1}}  # a later version's, or an edited file
     torch.save(state, run_dir / "resume.pt")
-    result = run_cli([f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}"], timeout=120)
+    result = command_in_process("frontier.train", [f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}"])
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(

@@ -8,7 +8,7 @@ import pytest
 
 from frontier.progress import RunDisplay
 from frontier.trainer import train
-from tests.conftest import FAST, ROOT, SHARED, compose_config, run_cli, spread
+from tests.conftest import FAST, ROOT, SHARED, command_in_process, compose_config, run_cli, spread
 
 # one worker builds this module's fixtures once (a trained run): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_eval_cli")
@@ -62,8 +62,7 @@ def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
 ])
 def test_eval_command_bad_input(args, message):
     """One line: a bad checkpoint is found before the device is set up (which says its precision)."""
-    result = subprocess.run([sys.executable, "-m", "frontier.eval", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = command_in_process("frontier.eval", args)
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
 
@@ -130,9 +129,8 @@ DAMAGED_BUNDLES = [  # (bundle arguments, what the sentence names)
 def test_eval_refuses_a_damaged_core_bundle_in_one_sentence(tiny_checkpoint, tmp_path, damage, names):
     # each of these was a traceback after scoring (a baseline of 100), a CORE of nan, or a task silently left out
     bundle = small_bundle(tmp_path / "bundle", **damage)
-    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tiny_checkpoint}", "device=cpu",
-                             f"eval.core_bundle={bundle}", "tracking.enabled=false"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = command_in_process("frontier.eval", [f"checkpoint={tiny_checkpoint}", "device=cpu",
+                                                  f"eval.core_bundle={bundle}", "tracking.enabled=false"])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert lines[-1].startswith(f"error: eval.core_bundle='{bundle}' is not allowed: {bundle}"), result.stderr
@@ -184,9 +182,8 @@ def test_eval_refuses_a_damaged_or_foreign_file_beside_the_checkpoint(tiny_check
     for name in ("final.pt", "tokenizer.json"):
         shutil.copy(tiny_checkpoint.parent / name, tmp_path / name)
     damage(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'final.pt'}",
-                             "device=cpu", f"eval.core_bundle={small_bundle(tmp_path / 'bundle')}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = command_in_process("frontier.eval", [f"checkpoint={tmp_path / 'final.pt'}", "device=cpu",
+                                                  f"eval.core_bundle={small_bundle(tmp_path / 'bundle')}"])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert lines[-1].startswith(f"error: checkpoint={tmp_path / 'final.pt'} is not allowed: "
@@ -198,9 +195,8 @@ def test_a_checkpoint_whose_tokenizer_is_missing_is_a_clear_error(tiny_checkpoin
     import shutil
 
     shutil.copy(tiny_checkpoint, tmp_path / "final.pt")
-    result = subprocess.run([sys.executable, "-m", "frontier.eval", f"checkpoint={tmp_path / 'final.pt'}",
-                             "device=cpu", "tracking.enabled=false"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = command_in_process("frontier.eval", [f"checkpoint={tmp_path / 'final.pt'}", "device=cpu",
+                                                  "tracking.enabled=false"])
     assert result.returncode == 2
     assert f"the tokenizer of checkpoint {tmp_path / 'final.pt'} is missing" in result.stderr
 

@@ -20,7 +20,7 @@ import pytest
 from optuna.trial import TrialState
 
 from frontier.study import Process, open_storage, process_start
-from tests.conftest import POSTGRES, fill, postgres_or_skip, store_in
+from tests.conftest import POSTGRES, command_in_process, fill, postgres_or_skip, store_in
 from tests.test_tracking_faults import MLFLOW_SIGNAL, Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,9 +113,9 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
     before = storage.read_bytes() if storage.exists() else None
     mlflow_db = tmp_path / "mlflow.db"
     storage_args = [] if any(a.startswith("sweep.storage=") for a in args) else [f"sweep.storage={storage}"]
-    done = subprocess.run(driver_command(tmp_path / "out", *SHORT, *args, *storage_args, "tracking.enabled=true",
-                                         f"tracking.uri=sqlite:///{mlflow_db}"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    command = driver_command(tmp_path / "out", *SHORT, *args, *storage_args, "tracking.enabled=true",
+                             f"tracking.uri=sqlite:///{mlflow_db}")
+    done = command_in_process("frontier.train", command[3:])  # what follows `python -m frontier.train`
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().startswith(message), done.stderr[-3000:]
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stdout + done.stderr

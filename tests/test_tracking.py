@@ -33,7 +33,7 @@ from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
 from frontier.trainer import train
-from tests.conftest import spread
+from tests.conftest import command_in_process, spread
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
 
@@ -607,8 +607,7 @@ def test_sync_refuses_what_is_not_a_run_directory(tmp_path):
                        (["sync"], "needs the run directory"),
                        (["push", str(tmp_path)], "push is not allowed"),
                        (["sync", str(tmp_path / "empty"), "tracking.experiment=x"], "tracking.uri=URI only")):
-        done = subprocess.run([sys.executable, "-m", "frontier.tracking", *args], cwd=PROJECT_ROOT,
-                              capture_output=True, text=True, timeout=120)
+        done = command_in_process("frontier.tracking", args)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and says in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert not list((tmp_path / "empty").iterdir())  # nothing written
@@ -702,16 +701,12 @@ def test_sync_names_a_run_file_it_cannot_read_and_leaves_the_run_as_it_was(tmp_p
     (run_dir / "summary.json").write_text(json.dumps({"status": "FINISHED", "error": None, "steps": 1,
                                                        "val_bpb": 3.0}))
 
-    def sync():
-        return subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), f"tracking.uri={store}"],
-                              cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
-
-    first = sync()
-    assert first.returncode == 0 and "status FINISHED" in first.stdout, first.stdout + first.stderr
+    assert "status FINISHED" in tracking.sync(run_dir, store)  # recorded first, here: the damaged sync is the subject
     client = MlflowClient(store)
     run_id = only_run(client).info.run_id
     damage(run_dir)
-    done = sync()
+    done = subprocess.run([sys.executable, "-m", "frontier.tracking", "sync", str(run_dir), f"tracking.uri={store}"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(f"error: RUN_DIR={run_dir} is not allowed: {run_dir}") and says in done.stderr, (
         done.stderr)

@@ -17,7 +17,7 @@ from frontier.evaluate import val_bpb
 from frontier.model import GPT
 from frontier.progress import RunDisplay
 from frontier.trainer import train
-from tests.conftest import FAST, compose_config, run_cli
+from tests.conftest import FAST, command_in_process, compose_config, run_cli
 
 SUMMARY_KEYS = {"val_bpb", "params", "flops_per_token", "steps", "tokens_seen", "tokens_per_second", "mfu",
                 "budget_seconds", "charged_seconds", "excluded_seconds", "budget_utilization", "device", "status"}
@@ -153,7 +153,7 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
          f"hydra.run.dir={tmp_path / 'a_file' / 'run'} is not allowed: it cannot be created (Not a directory"),
     ]
     for args, message in cases:
-        result = run_cli(args)
+        result = command_in_process("frontier.train", args)
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: {message}"), (args, result.stderr)
