@@ -3,7 +3,7 @@
 Each mistake of the command line is run as `python -m frontier.train` runs it, with Hydra's run and
 sweep directories, the MLflow store and the data caches pointed into an empty folder, and must leave
 that folder empty: nothing is written for a command that is refused. The tables run in the test's own
-process (runpy, as `python -m` runs a module: a process's start and imports cost five times the
+process (runpy, as `python -m` runs a module: a process's start and imports cost several times the
 refusal); a spread of each table also runs as a process of its own, which must say the same.
 """
 import subprocess
