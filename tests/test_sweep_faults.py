@@ -33,9 +33,14 @@ LONG = ["budget.seconds=600", "budget.max_steps=100000"]  # a trial that would t
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+def driver_args(out: Path, *args: str) -> list[str]:
+    """What follows `python -m frontier.train` for a driver of a small lr sweep into `out`."""
+    return ["--multirun", *TINY, "sweep=lr", "sweep.sampler=random", "sweep.pruner=none", *args,
+            f"hydra.sweep.dir={out}"]
+
+
 def driver_command(out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "frontier.train", "--multirun", *TINY, "sweep=lr", "sweep.sampler=random",
-            "sweep.pruner=none", *args, f"hydra.sweep.dir={out}"]
+    return [sys.executable, "-m", "frontier.train", *driver_args(out, *args)]
 
 
 def load(storage: str, name: str) -> optuna.Study:
@@ -113,9 +118,8 @@ def test_bad_sweep_input_is_one_sentence_and_creates_nothing(tmp_path, args, mes
     before = storage.read_bytes() if storage.exists() else None
     mlflow_db = tmp_path / "mlflow.db"
     storage_args = [] if any(a.startswith("sweep.storage=") for a in args) else [f"sweep.storage={storage}"]
-    command = driver_command(tmp_path / "out", *SHORT, *args, *storage_args, "tracking.enabled=true",
-                             f"tracking.uri=sqlite:///{mlflow_db}")
-    done = command_in_process("frontier.train", command[3:])  # what follows `python -m frontier.train`
+    done = command_in_process("frontier.train", driver_args(tmp_path / "out", *SHORT, *args, *storage_args,
+                                                            "tracking.enabled=true", f"tracking.uri=sqlite:///{mlflow_db}"))
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().startswith(message), done.stderr[-3000:]
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stdout + done.stderr
