@@ -6,6 +6,7 @@ import math
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 
 class RunDisplay:
@@ -32,7 +33,7 @@ class RunDisplay:
         self.progress.update(self.task, completed=progress, status=status)
 
     def note(self, line: str) -> None:
-        self.console.print(line)
+        self.console.print(line, markup=False)  # a path or an error may hold [brackets], which are not markup
 
     def table(self, summary: dict) -> None:
         table = Table(title="run summary", show_header=False)
@@ -40,7 +41,7 @@ class RunDisplay:
                     "tokens_per_second", "mfu", "charged_seconds", "excluded_seconds",
                     "budget_utilization", "wall_seconds", "training_share", "device", "error"):
             if key in summary and summary[key] is not None:
-                table.add_row(key, _fmt(summary[key]))
+                table.add_row(key, Text(_fmt(summary[key])))  # plain text: gloo's errors start '[/path/pair.cc:553]'
         self.console.print(table)
 
 
