@@ -36,13 +36,17 @@ from frontier.config import ConfigError, register_schemas
 from frontier.paths import unwritable  # noqa: F401  bench takes it from here
 
 
-def command(entry: Callable) -> Callable:
+def command(entry: Callable, startup_over: bool = True) -> Callable:
     """A command's entry point: Ctrl-C or SIGTERM ends it with one line and exit code 130 (the shell's
     for SIGINT), never a traceback: not the KeyboardInterrupt's, nor that of an error it caused (one
-    that lands inside an import can leave a module half-made, which then fails in other ways)."""
+    that lands inside an import can leave a module half-made, which then fails in other ways).
+    `startup_over`: its module's imports were its start-up (frontier.startup_over); a training
+    command's start-up goes on to its first step."""
 
     @functools.wraps(entry)
     def run(*args, **kwargs) -> Any:
+        if startup_over:
+            frontier.startup_over()
         _interrupted.clear()
         previous = _take_signals()
         try:
@@ -119,7 +123,7 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
     def decorate(task: Callable[[DictConfig], Any]) -> Callable:
         hydra_main = hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)
 
-        @command
+        @functools.partial(command, startup_over=False)  # over at the run's first step, or the sweep's start
         @functools.wraps(task)
         def entry(cfg_passthrough: Optional[DictConfig] = None) -> Any:
             if cfg_passthrough is not None:  # called as a function, as hydra.main allows

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+import frontier
 from frontier import lifecycle, sizing
 from frontier.budget import BudgetClock
 from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, write_torch
@@ -285,6 +286,7 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
     loop_start = time.perf_counter()
     run.summary["startup_seconds"] = loop_start - started  # this launch's train() call to the first step
     run.account.mark_startup()
+    frontier.startup_over()
     while not clock.done:
         if stopping or (check_stop and agreed_stop(run)):
             break

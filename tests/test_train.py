@@ -163,13 +163,36 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
     assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["resume.pt"]  # no .hydra record of a resume
 
 
+# The collector's state as the command line's checks import frontier.data (start-up), and at exit.
+GC_PROBE = """
+import atexit, gc, json, os, sys
+seen = {}
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name == "frontier.data":
+            seen["startup"] = gc.isenabled()
+        return None
+sys.meta_path.insert(0, Probe())
+atexit.register(lambda: open(os.environ["GC_PROBE"], "w").write(
+    json.dumps({**seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count()})))
+"""
+
+
 @pytest.mark.slow
 def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path):
-    result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={tmp_path}"])
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "sitecustomize.py").write_text(GC_PROBE)
+    run_dir = tmp_path / "run"
+    result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={run_dir}"],
+                     env={"PYTHONPATH": str(tmp_path / "probe"), "GC_PROBE": str(tmp_path / "gc.json")})
     assert result.returncode == 0, result.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["steps"] == 3
-    assert (tmp_path / "final.pt").is_file() and (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "final.pt").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    # Python's collector is off while the command starts, and back from the first step, with what
+    # start-up built frozen out of its walks (frontier.startup_over)
+    collector = json.loads((tmp_path / "gc.json").read_text())
+    assert collector["startup"] is False and collector["exit"] is True and collector["frozen"] > 100_000
 
 
 def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
@@ -190,8 +213,9 @@ def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
 
 @pytest.mark.slow
 def test_an_unreachable_tracking_store_is_found_before_any_data_is_read(wiki, tmp_path):
-    result = run_cli([*FAST, "tracking.enabled=true", "tracking.required=true", "tracking.uri=http://127.0.0.1:9",
-                      f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    result = command_in_process("frontier.train", [*FAST, "tracking.enabled=true", "tracking.required=true",
+                                                   "tracking.uri=http://127.0.0.1:9", f"data.cache_dir={tmp_path / 'cache'}",
+                                                   f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: tracking.uri=http://127.0.0.1:9")
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no token cache built

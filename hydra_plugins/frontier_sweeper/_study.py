@@ -28,6 +28,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
+import frontier
 from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
@@ -372,6 +373,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
                      f"n_trials={self.n_trials}, {len(self.slots)} at once, storage "
                      f"{safe_storage(self.storage_spec)}, trial outputs in {self.sweep_dir}")
             self.start = time.monotonic()
+            frontier.startup_over()
             for i, slot in enumerate(self.slots):
                 done = threading.Event()
                 workers.append((threading.Thread(target=self.worker, args=(slot, done), name=f"worker-{i}",
