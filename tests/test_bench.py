@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, command_in_process
 
 # a tiny model's step, one untimed and one timed, as `python -m frontier.bench ...`
 TINY_BENCH = [sys.executable, "-m", "frontier.bench", "bench.models=[tiny]", "bench.warmup=1", "bench.steps=1",
@@ -71,8 +71,7 @@ def test_a_bench_stopped_midway_keeps_the_rows_it_measured(tmp_path):
 
 
 def test_bench_rejects_an_unknown_key():
-    result = subprocess.run([sys.executable, "-m", "frontier.bench", "bench.model=tiny"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = command_in_process("frontier.bench", ["bench.model=tiny"])
     assert result.returncode == 2 and "Key 'model' not in 'BenchConfig'" in result.stderr
 
 
@@ -85,7 +84,6 @@ def test_bench_rejects_an_unknown_key():
     (["foo=1"], "foo=1 is not allowed: the config has no key 'foo'"),
 ])
 def test_bench_refuses_a_bad_command_line_in_one_sentence_before_measuring(args, sentence):
-    result = subprocess.run([sys.executable, "-m", "frontier.bench", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = command_in_process("frontier.bench", args)
     assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)  # nothing measured
     assert result.stderr.startswith(f"error: {sentence}") and len(result.stderr.splitlines()) == 1, result.stderr

@@ -68,7 +68,8 @@ def test_eval_command_bad_input(args, message):
 
 
 def test_a_bundle_without_core_yaml_fails_before_training(tmp_path):
-    result = run_cli([*FAST, "eval.core=true", f"eval.core_bundle={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    result = command_in_process("frontier.train", [*FAST, "eval.core=true", f"eval.core_bundle={tmp_path}",
+                                                   f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2
     assert f"eval.core_bundle='{tmp_path}' has no core.yaml" in result.stderr
     assert not (tmp_path / "run").exists()  # found before Hydra made the run directory

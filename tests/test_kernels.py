@@ -15,7 +15,7 @@ from frontier.config import KERNEL_OPS, ConfigError, KernelConfig, ModelConfig, 
 from frontier.model import GPT, Ops
 from kernels import head_loss as chunked
 from kernels import reference
-from tests.conftest import FAST, compose_config, run_cli
+from tests.conftest import FAST, command_in_process, compose_config
 
 # Triton kernels run on the GPU where there is one, else on CPU tensors through Triton's interpreter,
 # which tests/conftest.py turns on before anything imports triton.
@@ -125,7 +125,7 @@ def test_cli_stops_before_reading_data(args, backend, tmp_path):
     (tmp_path / "shard_00001.parquet").write_text("not parquet")
     overrides = [a for a in FAST if not a.startswith("data.path=")] + [f"data.path={tmp_path}", *args,
                                                                          f"hydra.run.dir={tmp_path / 'run'}"]
-    result = run_cli(overrides, timeout=120, env={"TRITON_INTERPRET": "0", "NKI_SIMULATOR": "0"})
+    result = command_in_process("frontier.train", overrides, env={"TRITON_INTERPRET": "0", "NKI_SIMULATOR": "0"})
     assert result.returncode == 2, result.stderr
     assert f"error: the {backend} kernels" in result.stderr and "cannot run here" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 from frontier import sizing
 from frontier.study import open_storage
-from tests.conftest import ROOT, SWEEP_TINY, run_cli
+from tests.conftest import ROOT, SWEEP_TINY, command_in_process, run_cli
 
 TINY = [o for o in SWEEP_TINY if not o.startswith("eval.core")]
 
@@ -26,6 +26,11 @@ def sweep(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, *args,
                            f"hydra.sweep.dir={out}"], cwd=ROOT, text=True, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def refused_sweep(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """A sweep command that refuses its input, run in this process (conftest.command_in_process)."""
+    return command_in_process("frontier.train", ["--multirun", *TINY, *args, f"hydra.sweep.dir={out}"])
 
 
 def start_until(command: list[str], text: str) -> tuple[subprocess.Popen, list[str]]:
@@ -104,17 +109,16 @@ def test_a_study_evaluates_every_trial_on_one_set_and_refuses_another(wiki, tmp_
     assert tokens == {chosen["final_tokens"]}  # the rows every trial was scored on
     assert all(f"eval.final_tokens={chosen['final_tokens']}" in t.user_attrs["overrides"] for t in study.trials)
 
-    other = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *auto, *args,
-                            "sweep.n_trials=3", f"eval.final_tokens={2 * chosen['final_tokens']}",
-                            f"hydra.sweep.dir={tmp_path / 'b'}"], cwd=ROOT, text=True, timeout=600,
-                           capture_output=True)
+    other = command_in_process("frontier.train", ["--multirun", *auto, *args, "sweep.n_trials=3",
+                                                  f"eval.final_tokens={2 * chosen['final_tokens']}",
+                                                  f"hydra.sweep.dir={tmp_path / 'b'}"])
     assert other.returncode == 2, other.stderr[-2000:]
     assert other.stderr.strip().splitlines()[-1].startswith("error: ")
     assert len(trials_of(storage, "one")) == 2 and not (tmp_path / "b").exists()
 
-    swept = sweep(tmp_path / "c", "sweep=lr", "eval.final_tokens=4096,8192", f"sweep.storage={storage}",
-                  "sweep.study_name=two")
-    assert swept.returncode == 2 and "eval.final_tokens is not allowed in the search space" in swept.stdout
+    swept = refused_sweep(tmp_path / "c", "sweep=lr", "eval.final_tokens=4096,8192", f"sweep.storage={storage}",
+                          "sweep.study_name=two")
+    assert swept.returncode == 2 and "eval.final_tokens is not allowed in the search space" in swept.stderr
 
 
 # -- confirmation ------------------------------------------------------------------------------------
@@ -123,8 +127,8 @@ def test_a_study_evaluates_every_trial_on_one_set_and_refuses_another(wiki, tmp_
 @pytest.mark.parametrize("value, why", [("-1", "sweep.confirm=-1 is not allowed"),
                                         ("1", "sweep.confirm=1 is not allowed: at least 2 seeds")])
 def test_a_bad_confirm_is_one_sentence(tmp_path, value, why):
-    done = sweep(tmp_path / "out", "sweep=lr", f"sweep.confirm={value}", f"sweep.storage={tmp_path / 's.journal'}")
-    assert done.returncode == 2 and why in done.stdout, done.stdout[-2000:]
+    done = refused_sweep(tmp_path / "out", "sweep=lr", f"sweep.confirm={value}", f"sweep.storage={tmp_path / 's.journal'}")
+    assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists() and not (tmp_path / "s.journal").exists()
 
 
@@ -185,9 +189,9 @@ def test_a_confirm_on_a_study_with_no_finished_trial_is_one_sentence(wiki, tmp_p
     args = ["sweep=lr", "sweep.n_trials=1", f"sweep.storage={storage}", "sweep.study_name=none"]
     failed = sweep(tmp_path / "a", *args, "sweep.confirm=0", "train.loss_ceiling=0.01")  # every trial diverges
     assert failed.returncode == 0, failed.stdout[-2000:]
-    done = sweep(tmp_path / "b", *args, "sweep.confirm=2", "train.loss_ceiling=0.01")
-    assert done.returncode == 2, done.stdout[-2000:]
-    assert "sweep.confirm=2 is not allowed for sweep.study_name='none'" in done.stdout
+    done = refused_sweep(tmp_path / "b", *args, "sweep.confirm=2", "train.loss_ceiling=0.01")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "sweep.confirm=2 is not allowed for sweep.study_name='none'" in done.stderr
     assert len(trials_of(storage, "none")) == 1 and not (tmp_path / "b").exists()
 
 

@@ -403,9 +403,8 @@ def test_sigterm_ends_killed(tmp_path, store):
 ], ["http", "postgresql", "unknown scheme"], every=3))
 def test_a_store_that_cannot_be_opened_stops_the_run_before_anything_is_written(tmp_path, store, reason):
     url = store.format(port=free_port())  # nothing listens there
-    done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, f"tracking.uri={url}",
-                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    done = command_in_process("frontier.train", [*FAST, f"tracking.uri={url}", f"data.cache_dir={tmp_path / 'cache'}",
+                                                 f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]

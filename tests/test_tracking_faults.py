@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 
 from frontier.config import PROJECT_ROOT
 from frontier.observers import read_records
-from tests.conftest import fill, store_in
+from tests.conftest import command_in_process, fill, store_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
 
@@ -339,8 +339,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, template_db):
     # While its process lives (frozen here), no second process may write into the run directory.
     hydra_record = (run_dir / ".hydra" / "config.yaml").read_text()
     for args, key in (([f"resume={run_dir}"], "resume"), ([*RUN, f"hydra.run.dir={run_dir}"], "hydra.run.dir")):
-        refused = subprocess.run([sys.executable, "-m", "frontier.train", *args], cwd=PROJECT_ROOT,
-                                 capture_output=True, text=True, timeout=300)
+        refused = command_in_process("frontier.train", args)
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.splitlines() == [
             f"error: {key}={run_dir} is not allowed: another process is running the run there (it holds "
