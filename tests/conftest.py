@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import runpy
@@ -40,12 +41,14 @@ WIKI = SHARED / "data" / "text" / "wiki_en"
 
 # A tiny model on the real Wikipedia shards: small vocab so the tokenizer trains in seconds, and
 # steps of 8 rows (a quarter of tiny's batch), the CPU-seconds of a test run being mostly its steps.
-# The budget is pinned: the default is sized to the machine (phase1 on an accelerator, smoke on a CPU).
+# The budget is pinned: the default is sized to the machine (phase1 on an accelerator, smoke on a CPU);
+# so is the checkout's data cache, which a test that moves FRONTIER_HOME reads rather than tokenize again.
 FAST = [
     "model=tiny",
     "train.batch_tokens=2048",
     "budget=phase1",
     f"data.path={WIKI}",
+    f"data.cache_dir={ROOT / '.cache'}",
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",
     "eval.checkpoint_tokens=4096",
@@ -144,6 +147,33 @@ def command_in_process(module: str, args: list[str], env: dict | None = None) ->
         HydraConfig.instance().cfg = run_config
         root.handlers[:], root.level = handlers, level
     return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
+
+
+# Python's collector in each process started with gc_probe's environment: as its start-up imports
+# frontier.data (the command line's checks import it), and at its exit, in PID.json beside this file
+GC_PROBE = """
+import atexit, gc, json, os, sys
+seen = {}
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name == "frontier.data" and "startup" not in seen:
+            seen["startup"] = gc.isenabled()
+        return None
+sys.meta_path.insert(0, Probe())
+atexit.register(lambda: open(os.path.join(os.path.dirname(__file__), f"{os.getpid()}.json"), "w").write(
+    json.dumps({"argv": sys.argv, **seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count()})))
+"""
+
+
+def gc_probe(folder: Path) -> dict:
+    """The environment under which each Python process records its collector's state in `folder`."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(GC_PROBE)
+    return {"PYTHONPATH": str(folder)}
+
+
+def gc_records(folder: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in folder.glob("*.json")]
 
 
 def spread(rows: list[tuple], ids: list[str], every: int) -> list:

@@ -13,8 +13,11 @@ from tests.conftest import ROOT, SHARED
 # one worker builds this module's fixtures once (a venv with the wheel installed): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_install")
 
-SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=512", "data.tokenizer_train_chars=300000",
-         "eval.checkpoint_tokens=2048", "eval.final_tokens=4096", "budget.max_steps=2"]
+# The suite's tokenizer and token caches (conftest.FAST's data settings, the checkout's .cache): the
+# wheel reads the data as the other tests do, rather than tokenizing the shards once more
+SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000",
+         f"data.cache_dir={ROOT / '.cache'}", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
+         "budget.max_steps=2"]
 
 
 def outer_site_packages() -> list[str]:

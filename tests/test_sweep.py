@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 
 from frontier.config import ConfigError
 from frontier.study import STALE_REASON, Process, open_storage, settle_orphans
-from tests.conftest import command_in_process, spread
+from tests.conftest import command_in_process, gc_probe, gc_records, spread
 
 # one worker builds this module's fixtures once (tpe_sweep, two sweeps): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_sweep")
@@ -54,8 +54,8 @@ def sweep_command(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "frontier.train", *sweep_args(out, *args)]
 
 
-def run_sweep(out: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(sweep_command(out, *args), cwd=ROOT, text=True, timeout=600,
+def run_sweep(out: Path, *args: str, ok: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(sweep_command(out, *args), cwd=ROOT, text=True, timeout=600, env={**os.environ, **(env or {})},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # Hydra logs to stdout
     if ok:
         assert done.returncode == 0, done.stdout[-3000:]
@@ -328,10 +328,16 @@ def test_a_range_holds_pythons_values_descending_too(expr, values):
 def test_a_descending_range_sweeps_its_values(tmp_path):
     storage = tmp_path / "study.journal"
     run_sweep(tmp_path / "out", "sweep=custom", "sweep.sampler=grid", "sweep.pruner=none", f"sweep.storage={storage}",
-              "model.depth=range(2,0,-1)")
+              "model.depth=range(2,0,-1)", env=gc_probe(tmp_path / "probe"))
     study = load(str(storage), "custom")
     assert states(study) == ["COMPLETE", "COMPLETE"]
     assert sorted(t.params["model.depth"] for t in study.trials) == [1, 2]
+    # the driver and each trial start with Python's collector off and turn it on (frontier.startup_over)
+    records = gc_records(tmp_path / "probe")
+    driver = [r for r in records if "--multirun" in r["argv"]]
+    trials = [r for r in records if "--multirun" not in r["argv"] and not r["argv"][0].endswith("standby.py")]
+    assert len(driver) == 1 and len(trials) == 2, records  # (a standby left waiting at the end never trains)
+    assert all(r["startup"] is False and r["exit"] is True and r["frozen"] > 100_000 for r in driver + trials), records
 
 
 @pytest.mark.parametrize("space, message", [

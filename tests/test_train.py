@@ -17,7 +17,7 @@ from frontier.evaluate import val_bpb
 from frontier.model import GPT
 from frontier.progress import RunDisplay
 from frontier.trainer import train
-from tests.conftest import FAST, command_in_process, compose_config, run_cli
+from tests.conftest import FAST, command_in_process, compose_config, gc_probe, gc_records, run_cli
 
 SUMMARY_KEYS = {"val_bpb", "params", "flops_per_token", "steps", "tokens_seen", "tokens_per_second", "mfu",
                 "budget_seconds", "charged_seconds", "excluded_seconds", "budget_utilization", "device", "status"}
@@ -163,35 +163,17 @@ def test_user_mistakes_at_launch_are_one_sentence_and_touch_no_store(tmp_path):
     assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["resume.pt"]  # no .hydra record of a resume
 
 
-# The collector's state as the command line's checks import frontier.data (start-up), and at exit.
-GC_PROBE = """
-import atexit, gc, json, os, sys
-seen = {}
-class Probe:
-    def find_spec(self, name, path=None, target=None):
-        if name == "frontier.data":
-            seen["startup"] = gc.isenabled()
-        return None
-sys.meta_path.insert(0, Probe())
-atexit.register(lambda: open(os.environ["GC_PROBE"], "w").write(
-    json.dumps({**seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count()})))
-"""
-
-
 @pytest.mark.slow
 def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path):
-    (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / "sitecustomize.py").write_text(GC_PROBE)
     run_dir = tmp_path / "run"
-    result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={run_dir}"],
-                     env={"PYTHONPATH": str(tmp_path / "probe"), "GC_PROBE": str(tmp_path / "gc.json")})
+    result = run_cli([*FAST, "budget.max_steps=3", f"hydra.run.dir={run_dir}"], env=gc_probe(tmp_path / "probe"))
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "FINISHED" and summary["steps"] == 3
     assert (run_dir / "final.pt").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     # Python's collector is off while the command starts, and back from the first step, with what
     # start-up built frozen out of its walks (frontier.startup_over)
-    collector = json.loads((tmp_path / "gc.json").read_text())
+    (collector,) = gc_records(tmp_path / "probe")
     assert collector["startup"] is False and collector["exit"] is True and collector["frozen"] > 100_000
 
 
