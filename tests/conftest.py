@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -94,6 +95,9 @@ def shared_study(request, tmp_path):
 
 
 register_schemas()
+# What the imports above built lives as long as the test process: frozen, the collector no longer walks it
+# at each collection (a tenth of the CPU of the tests that run in this process), as a command's start-up
+gc.freeze()
 
 
 def compose_config(overrides: list[str] = ()):
