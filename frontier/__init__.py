@@ -34,14 +34,15 @@ def _interrupted_while_starting(signum, frame) -> None:
 
 
 def startup_over() -> None:
-    """A command's start-up is over: Python's collector, off since the command started, watches what its
-    work makes from here, and no longer walks what start-up built (gc.freeze: the imports' objects, the
-    model, the config, and the little garbage among them, kept for the process's life). Start-up makes
-    hundreds of thousands of objects and almost no garbage; collecting meanwhile walked them again and
-    again, about a quarter of a short run's CPU. Called when a run's first step begins, when a sweep's
-    driver starts its trials, and when a side command starts its work; outside a command, and after the
-    first call, it does nothing."""
+    """A command's start-up is over: Python's collector, off since the command started, collects once
+    (the configs a grid's checks composed are garbage in cycles), then watches what the work makes from
+    here and no longer walks what start-up built (gc.freeze: the imports' objects, the model, the config).
+    Start-up makes hundreds of thousands of objects and little garbage; collecting meanwhile walked them
+    again and again, about a fifth of a short run's CPU. Called when a run's first step begins, when a
+    sweep's driver starts its trials, and when a side command starts its work; outside a command, and
+    after the first call, it does nothing."""
     if _started_as_a_command() and not gc.isenabled():
+        gc.collect()
         gc.freeze()
         gc.enable()
 

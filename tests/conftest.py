@@ -154,18 +154,28 @@ def command_in_process(module: str, args: list[str], env: dict | None = None) ->
 
 
 # Python's collector in each process started with gc_probe's environment: as its start-up imports
-# frontier.data (the command line's checks import it), and at its exit, in PID.json beside this file
+# frontier.data (the command line's checks import it), where the probe also leaves garbage in a cycle,
+# and at its exit, with whether that garbage was collected, in PID.json beside this file
 GC_PROBE = """
-import atexit, gc, json, os, sys
+import atexit, gc, json, os, sys, weakref
 seen = {}
+class Cycle:
+    pass
 class Probe:
     def find_spec(self, name, path=None, target=None):
         if name == "frontier.data" and "startup" not in seen:
             seen["startup"] = gc.isenabled()
+            garbage = Cycle()
+            garbage.itself = garbage
+            seen["garbage"] = weakref.ref(garbage)
         return None
 sys.meta_path.insert(0, Probe())
-atexit.register(lambda: open(os.path.join(os.path.dirname(__file__), f"{os.getpid()}.json"), "w").write(
-    json.dumps({"argv": sys.argv, **seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count()})))
+def record():
+    garbage = seen.pop("garbage", None)
+    with open(os.path.join(os.path.dirname(__file__), f"{os.getpid()}.json"), "w") as out:
+        json.dump({"argv": sys.argv, **seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                   "garbage_collected": garbage is not None and garbage() is None}, out)
+atexit.register(record)
 """
 
 
