@@ -22,15 +22,19 @@ from tests.conftest import ROOT, SWEEP_TINY, command_in_process, run_cli
 TINY = [o for o in SWEEP_TINY if not o.startswith("eval.core")]
 
 
+def sweep_args(out: Path, *args: str) -> list[str]:
+    """What follows `python -m frontier.train` for a sweep of tiny trials into `out`."""
+    return ["--multirun", *TINY, *args, f"hydra.sweep.dir={out}"]
+
+
 def sweep(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *TINY, *args,
-                           f"hydra.sweep.dir={out}"], cwd=ROOT, text=True, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run([sys.executable, "-m", "frontier.train", *sweep_args(out, *args)], cwd=ROOT, text=True,
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def refused_sweep(out: Path, *args: str) -> subprocess.CompletedProcess:
     """A sweep command that refuses its input, run in this process (conftest.command_in_process)."""
-    return command_in_process("frontier.train", ["--multirun", *TINY, *args, f"hydra.sweep.dir={out}"])
+    return command_in_process("frontier.train", sweep_args(out, *args))
 
 
 def start_until(command: list[str], text: str) -> tuple[subprocess.Popen, list[str]]:
