@@ -44,6 +44,7 @@ FAST = [
     "model=tiny",
     "budget=phase1",  # pinned: the default is sized to the machine
     f"data.path={WIKI}",
+    f"data.cache_dir={PROJECT_ROOT / '.cache'}",  # the suite's one cache, wherever a test moves FRONTIER_HOME
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",
     "device=cpu",
