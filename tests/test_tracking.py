@@ -791,8 +791,7 @@ def test_a_postgresql_tracking_uri_records_the_run_with_the_driver_that_is_insta
         run_dir = tmp_path / "run"
         done = subprocess.run([sys.executable, "-m", "frontier.train", *FAST, "tracking.enabled=true",
                                f"tracking.uri={uri}", f"hydra.run.dir={run_dir}"], cwd=PROJECT_ROOT,
-                              env={**os.environ, "FRONTIER_HOME": str(tmp_path)}, capture_output=True, text=True,
-                              timeout=600)
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         client = MlflowClient(f"postgresql+psycopg2://postgres@127.0.0.1:5432/{database}")
         run = only_run(client)
