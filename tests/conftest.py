@@ -40,16 +40,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 WIKI = SHARED / "data" / "text" / "wiki_en"
 
+# The suite's one tokenizer and token cache, the checkout's: pinned in every test run's data settings,
+# so that a test which moves FRONTIER_HOME reads it rather than tokenize the shards again.
+DATA_CACHE = f"data.cache_dir={ROOT / '.cache'}"
+
 # A tiny model on the real Wikipedia shards: small vocab so the tokenizer trains in seconds, and
 # steps of 8 rows (a quarter of tiny's batch), the CPU-seconds of a test run being mostly its steps.
-# The budget is pinned: the default is sized to the machine (phase1 on an accelerator, smoke on a CPU);
-# so is the checkout's data cache, which a test that moves FRONTIER_HOME reads rather than tokenize again.
+# The budget is pinned: the default is sized to the machine (phase1 on an accelerator, smoke on a CPU).
 FAST = [
     "model=tiny",
     "train.batch_tokens=2048",
     "budget=phase1",
     f"data.path={WIKI}",
-    f"data.cache_dir={ROOT / '.cache'}",
+    DATA_CACHE,
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",
     "eval.checkpoint_tokens=4096",

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SHARED
+from tests.conftest import DATA_CACHE, ROOT, SHARED
 
 # one worker builds this module's fixtures once (a venv with the wheel installed): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_install")
 
-# The suite's tokenizer and token caches (conftest.FAST's data settings, the checkout's .cache): the
-# wheel reads the data as the other tests do, rather than tokenizing the shards once more
-SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000",
-         f"data.cache_dir={ROOT / '.cache'}", "eval.checkpoint_tokens=2048", "eval.final_tokens=4096",
-         "budget.max_steps=2"]
+# conftest.FAST's data settings and the suite's data cache: the wheel reads the data as the other tests do,
+# rather than tokenizing the shards once more
+SMALL = ["model=tiny", "precision=fp32", "data.vocab_size=1024", "data.tokenizer_train_chars=2000000", DATA_CACHE,
+         "eval.checkpoint_tokens=2048", "eval.final_tokens=4096", "budget.max_steps=2"]
 
 
 def outer_site_packages() -> list[str]:

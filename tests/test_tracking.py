@@ -33,7 +33,7 @@ from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
 from frontier.trainer import train
-from tests.conftest import command_in_process, spread
+from tests.conftest import DATA_CACHE, command_in_process, spread
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
 
@@ -44,7 +44,7 @@ FAST = [
     "model=tiny",
     "budget=phase1",  # pinned: the default is sized to the machine
     f"data.path={WIKI}",
-    f"data.cache_dir={PROJECT_ROOT / '.cache'}",  # the suite's one cache, wherever a test moves FRONTIER_HOME
+    DATA_CACHE,
     "data.vocab_size=1024",
     "data.tokenizer_train_chars=2000000",
     "device=cpu",
