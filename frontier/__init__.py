@@ -1,4 +1,5 @@
 """Frontier: train language models from scratch under a fixed wall-clock budget."""
+import atexit
 import gc
 import os
 import signal
@@ -40,11 +41,13 @@ def startup_over() -> None:
     Start-up makes hundreds of thousands of objects and little garbage; collecting meanwhile walked them
     again and again, about a fifth of a short run's CPU. Called when a run's first step begins, when a
     sweep's driver starts its trials, and when a side command starts its work; outside a command, and
-    after the first call, it does nothing."""
+    after the first call, it does nothing. At exit the frozen objects are handed back, so that Python's
+    shutdown frees them (frozen, triton's bindings report them leaked)."""
     if _started_as_a_command() and not gc.isenabled():
         gc.collect()
         gc.freeze()
         gc.enable()
+        atexit.register(gc.unfreeze)
 
 
 STARTING_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}

@@ -157,11 +157,12 @@ def command_in_process(module: str, args: list[str], env: dict | None = None) ->
 
 
 # Python's collector in each process started with gc_probe's environment: as its start-up imports
-# frontier.data (the command line's checks import it), where the probe also leaves garbage in a cycle,
-# and at its exit, with whether that garbage was collected, in PID.json beside this file
+# frontier.data (the command line's checks import it), where the probe also leaves garbage in a cycle;
+# the most objects frozen at any collection; and at its exit (after the command's own exit handlers),
+# with whether that garbage was collected and what is still frozen, in PID.json beside this file
 GC_PROBE = """
 import atexit, gc, json, os, sys, weakref
-seen = {}
+seen = {"frozen": 0}
 class Cycle:
     pass
 class Probe:
@@ -173,10 +174,11 @@ class Probe:
             seen["garbage"] = weakref.ref(garbage)
         return None
 sys.meta_path.insert(0, Probe())
+gc.callbacks.append(lambda phase, info: seen.update(frozen=max(seen["frozen"], gc.get_freeze_count())))
 def record():
     garbage = seen.pop("garbage", None)
     with open(os.path.join(os.path.dirname(__file__), f"{os.getpid()}.json"), "w") as out:
-        json.dump({"argv": sys.argv, **seen, "exit": gc.isenabled(), "frozen": gc.get_freeze_count(),
+        json.dump({"argv": sys.argv, **seen, "exit": gc.isenabled(), "frozen_at_exit": gc.get_freeze_count(),
                    "garbage_collected": garbage is not None and garbage() is None}, out)
 atexit.register(record)
 """

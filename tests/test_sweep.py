@@ -338,7 +338,7 @@ def test_a_descending_range_sweeps_its_values(tmp_path):
     trials = [r for r in records if "--multirun" not in r["argv"] and not r["argv"][0].endswith("standby.py")]
     assert len(driver) == 1 and len(trials) == 2, records  # (a standby left waiting at the end never trains)
     assert all(r["startup"] is False and r["exit"] is True and r["frozen"] > 100_000 and r["garbage_collected"]
-               for r in driver + trials), records
+               and r["frozen_at_exit"] == 0 for r in driver + trials), records
 
 
 @pytest.mark.parametrize("space, message", [
