@@ -135,7 +135,7 @@ def test_ci_stops_when_readme_loses_a_command(tmp_path):
 
 
 def test_the_installed_pytest_xdist_keeps_an_xdist_group_on_one_worker(tmp_path):
-    """The suite's addopts (-n 2 --dist loadgroup) keep a module whose fixtures are costly on one worker,
+    """The suite's addopts (-n 3 --dist loadgroup) keep a module whose fixtures are costly on one worker,
     which builds them once; some pytest and pytest-xdist releases together ignore the mark, silently."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_grouped.py").write_text(
