@@ -33,13 +33,14 @@ def validation_set(raw):
 
 @pytest.mark.slow
 def test_a_short_tiny_run_learns_and_leaves_a_loadable_checkpoint(wiki, tmp_path):
-    raw = compose_config([*FAST, "budget.seconds=10", "eval.every_fraction=0.25"])
+    seconds = 10  # about a hundred steps of tiny on a 2-core CPU
+    raw = compose_config([*FAST, f"budget.seconds={seconds}", "eval.every_fraction=0.25"])
     bpb = train(raw, tmp_path, RunDisplay(enabled=False))
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["status"] == "FINISHED" and summary["val_bpb"] == bpb
-    assert summary["charged_seconds"] >= 10 and summary["budget_utilization"] >= 1.0
+    assert summary["charged_seconds"] >= seconds and summary["budget_utilization"] >= 1.0
     assert summary["steps"] > 5 and summary["tokens_seen"] == summary["steps"] * 2048
 
     tokenizer, rows = validation_set(raw)
