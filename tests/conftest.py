@@ -9,6 +9,7 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -33,6 +34,11 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
+
+# The commands under test get a Ctrl-C as they would at a terminal, however the suite was started: a
+# shell starts a background job (`pytest &`, nohup) with SIGINT ignored, which its processes inherit.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from frontier.config import register_schemas  # noqa: E402
 
