@@ -736,22 +736,19 @@ def test_ctrl_c_in_a_side_command_is_one_line_and_exit_130(tmp_path, twice):
                              "bench.ops=false", "bench.steps=100000", f"bench.output={tmp_path / 'bench.json'}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for line in proc.stdout:  # built, its libraries imported: the steps are being timed
-            if line.startswith("timing tiny reference:"):
+    for line in proc.stdout:  # built, its libraries imported: the steps are being timed
+        if line.startswith("timing tiny reference:"):
+            break
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    before = ""
+    if twice:
+        for line in proc.stderr:
+            before += line
+            if line == "interrupted\n":  # the process is exiting
+                proc.send_signal(signal.SIGINT)
                 break
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        before = ""
-        if twice:
-            for line in proc.stderr:
-                before += line
-                if line == "interrupted\n":  # the process is exiting
-                    proc.send_signal(signal.SIGINT)
-                    break
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()  # a bench that missed the signal would time 100000 steps after the test failed
+    _, err = stopped(proc, timeout=120)  # a bench that missed the signal is killed, not left timing its steps
     err = before + err
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.splitlines()[-1] == "interrupted", err
