@@ -23,15 +23,17 @@ from typing import Any, Callable, NoReturn, Optional
 
 import hydra
 import yaml
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.hydra import Hydra
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 import frontier
-from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, check_command_line, logging_refused, one_sentence,
-                              raised_in, refused_path)
+from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, Composed, check_command_line, logging_refused,
+                              one_sentence, raised_in, refused_path)
 from frontier.config import ConfigError, register_schemas
 from frontier.paths import unwritable  # noqa: F401  bench takes it from here
 
@@ -131,7 +133,7 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
             register_schemas()  # the `frontier_schema` the primary config builds on
             try:
                 composed = check_command_line(task, config_path, config_name, sys.argv[1:], check)
-                with hydra_raises(), mode_known(composed):
+                with hydra_raises(), composed_once(composed):
                     return hydra_main()
             except Exception as err:
                 if not is_mistake(err, task, user_errors) or _interrupted.is_set():
@@ -161,15 +163,44 @@ def hydra_raises():
 
 
 @contextlib.contextmanager
-def mode_known(composed: Optional[DictConfig]):
-    """Hydra composes the whole config once more only to read its hydra.mode before it runs; the check
-    composed the same config already, so Hydra is given that value (a third of a second per command)."""
+def composed_once(composed: Optional[Composed]):
+    """Hydra composes the whole config twice before its task runs: to read its hydra.mode, then to run
+    it. The check composed the same config already (a tenth of a CPU-second each time), so Hydra is
+    given its mode, and then the config itself for its first composition of the same command line."""
     if composed is None:
         yield
         return
-    mode = composed.hydra.mode
-    with unittest.mock.patch.object(Hydra, "get_mode", lambda self, config_name, overrides: mode):
+    unused = [composed]
+    load_configuration = ConfigLoaderImpl.load_configuration
+
+    def load_once(loader, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        given = unused.pop() if unused else None  # Hydra's first composition only: later ones differ
+        if given is not None and from_shell and validate_sweep_overrides:
+            cfg = composed_again(given, config_name, overrides, run_mode)
+            if cfg is not None:
+                return cfg
+        return load_configuration(loader, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+
+    mode = composed.cfg.hydra.mode
+    with unittest.mock.patch.object(Hydra, "get_mode", lambda self, config_name, overrides: mode), \
+            unittest.mock.patch.object(ConfigLoaderImpl, "load_configuration", load_once):
         yield
+
+
+def composed_again(composed: Composed, config_name: str, overrides: list[str],
+                   run_mode: RunMode) -> Optional[DictConfig]:
+    """The config Hydra composes from these arguments, where it is `composed`'s: the same command line, or
+    that line and the hydra.mode=MODE that Hydra adds to it when the config sets no mode; else None."""
+    lines = list(overrides)
+    added = lines[len(composed.lines):]
+    if ((config_name, run_mode, lines[:len(composed.lines)]) != (composed.config_name, composed.mode, composed.lines)
+            or added not in ([], [f"hydra.mode={run_mode.name}"])):
+        return None
+    cfg = composed.cfg
+    if added:  # as Hydra applies a hydra override: the value set, the line recorded
+        cfg.hydra.mode = run_mode
+        cfg.hydra.overrides.hydra.append(added[0])
+    return cfg
 
 
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:

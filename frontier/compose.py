@@ -18,7 +18,7 @@ import typing
 import warnings
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -117,10 +117,19 @@ def yaml_problem(err: yaml.MarkedYAMLError) -> str:
     return f"{mark.name} is not valid YAML: {where}: {err.problem}" + (f" ({context})" if context else "")
 
 
+class Composed(NamedTuple):
+    """The config a command line composes to, and what composed it: Hydra composes the same again to run it."""
+
+    config_name: str
+    lines: list[str]
+    mode: RunMode
+    cfg: DictConfig
+
+
 def check_command_line(task: Callable, config_path: str, config_name: str, argv: list[str],
-                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Optional[DictConfig]:
-    """Refuses a mistake in one sentence (ConfigError); returns the config a run or a multirun composes to,
-    whose hydra.mode Hydra reads before it runs (None where only something is shown)."""
+                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Optional[Composed]:
+    """Refuses a mistake in one sentence (ConfigError); returns the config a run or a multirun composes to
+    (None where only something is shown)."""
     args = parse_args(argv)
     commands = [name for name, given in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                          ("--info", args.info), ("--shell-completion", args.shell_completion)) if given]
@@ -177,7 +186,7 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
             for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
                 selected(cfg, key)
-            return cfg
+            return Composed(config_name, list(args.overrides), RunMode.RUN, cfg)
         for override in overrides:  # Hydra would drop these silently: the defaults would run
             if override.is_sweep_override() and (override.key_or_group == "sweep"
                                                  or override.key_or_group.startswith("sweep.")):
@@ -199,13 +208,13 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
             # its values; the sweeper checks the search's settings and space, then what running needs
             # (`check`, which imports torch and opens the store), then every trial's values
             check_run(app, master, overrides, None)
-            return master
+            return Composed(config_name, list(args.overrides), RunMode.MULTIRUN, master)
         points = [(point, app.compose(point, RunMode.RUN)) for point in grid(master, overrides)]
         for point, cfg in points:  # Hydra's grid: every point must be a valid run, its values checked
             check_run(app, cfg, point, None)  # first, before the checks that import torch
         for point, cfg in points:
             check_run(app, cfg, point, check)
-        return master
+        return Composed(config_name, list(args.overrides), RunMode.MULTIRUN, master)
 
 
 def parse_args(argv: list[str]):
