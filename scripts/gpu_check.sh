@@ -184,7 +184,8 @@ if [[ $CUDA == 1 ]]; then
   run_part torchrun $((TORCHRUN_SECONDS + 120)) "${TORCHRUN[@]}" "${TRAIN_ARGS[@]}" \
       "budget.seconds=$TORCHRUN_SECONDS" "hydra.run.dir=$WORK/torchrun_run"
 else
-  dry_part gpu_tests "pytest -m gpu collects the CUDA tests and each skips" "${TESTS[@]}" -m gpu  # the last -m wins: not the parity runs
+  # the last -m wins: not the parity runs; -n 0: skipping takes no pytest-xdist workers (a Python each)
+  dry_part gpu_tests "pytest -m gpu collects the CUDA tests and each skips" "${TESTS[@]}" -m gpu -n 0
   dry_part bench "the bench CLI runs one step of model=tiny on the CPU" "$PY" -m frontier.bench \
       "bench.models=[tiny]" "bench.kernels=[reference]" bench.warmup=0 bench.steps=1 bench.ops=false \
       train.batch_tokens=512 train.device_batch_rows=2 \
