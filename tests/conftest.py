@@ -54,7 +54,39 @@ if sys.dont_write_bytecode:
         compileall.compile_dir(ROOT / package, quiet=2)  # a read-only checkout: its processes compile, as before
 
 SHARED = ROOT.parent / "shared"
-WIKI = SHARED / "data" / "text" / "wiki_en"
+
+
+def linked_data(shared: Path, folder: Path) -> Path:
+    """`shared` (the data folder) again in `folder`, through links, with only the first and the last
+    (validation) shard of text/wiki_en: the token cache a clone builds for the suite tokenizes a quarter
+    of the text, and the tests, which train on a few thousand tokens, see the same layout."""
+    def link(path: Path, target: Path) -> None:
+        if path.is_symlink() and path.readlink() == target:  # made by an earlier run, or another worker
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        made = path.with_name(f".{path.name}.{os.getpid()}")
+        made.unlink(missing_ok=True)
+        made.symlink_to(target)
+        os.replace(made, path)  # at once, over a link to where the data was before the checkout moved
+
+    for entry in shared.iterdir():
+        if entry.name != "text":
+            link(folder / entry.name, entry)
+    for entry in (shared / "text").iterdir():
+        if entry.name != "wiki_en":
+            link(folder / "text" / entry.name, entry)
+    shards = sorted((shared / "text" / "wiki_en").glob("*.parquet"))
+    for shard in (shards[0], shards[-1]):
+        link(folder / "text" / "wiki_en" / shard.name, shard)
+    return folder
+
+
+# Every command the tests start reads its data from there: FRONTIER_DATA is the default of data.path
+# (and eval.core_bundle) in each process they start, and FAST names it.
+DATA = ROOT / ".cache" / "test-data"
+if (SHARED / "data" / "text" / "wiki_en").is_dir():
+    os.environ["FRONTIER_DATA"] = str(linked_data(SHARED / "data", DATA))
+WIKI = DATA / "text" / "wiki_en"
 
 # The suite's one tokenizer and token cache, the checkout's: pinned in every test run's data settings,
 # so that a test which moves FRONTIER_HOME reads it rather than tokenize the shards again.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA_CACHE, ROOT, SHARED
+from tests.conftest import DATA, DATA_CACHE, ROOT, SHARED
 
 # one worker builds this module's fixtures once (a venv with the wheel installed): pytest-xdist --dist loadgroup
 pytestmark = pytest.mark.xdist_group("test_install")
@@ -52,7 +52,7 @@ def installed(tmp_path_factory):
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FRONTIER_HOME", "FRONTIER_DATA")}
-    env.update(FRONTIER_HOME=str(tmp / "home"), FRONTIER_DATA=str(SHARED / "data"), PATH=f"{tmp / 'venv' / 'bin'}:{env['PATH']}")
+    env.update(FRONTIER_HOME=str(tmp / "home"), FRONTIER_DATA=str(DATA), PATH=f"{tmp / 'venv' / 'bin'}:{env['PATH']}")
     return tmp, elsewhere, env
 
 
@@ -69,7 +69,7 @@ def test_the_wheel_runs_from_its_own_files(installed):
 
     done = run(installed, "frontier-train", "model=tiny", "--cfg", "job", "--resolve")
     assert done.returncode == 0, done.stderr
-    data = (SHARED / "data").resolve()  # FRONTIER_DATA is resolved, links included
+    data = DATA.resolve()  # FRONTIER_DATA is resolved, links included
     assert f"path: {data}/text/wiki_en" in done.stdout
     assert f"core_bundle: {data}/core" in done.stdout and "depth: 4" in done.stdout
 
@@ -107,7 +107,7 @@ def test_the_checkout_runs_from_any_directory(tmp_path):
     import hook Hydra's plugin listing does not see) or a regular one. A regular install does not know
     the checkout, so the data is given, as a user outside it gives it."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(FRONTIER_DATA=str(SHARED / "data"), FRONTIER_HOME=str(tmp_path / "home"))
+    env.update(FRONTIER_DATA=str(DATA), FRONTIER_HOME=str(tmp_path / "home"))
     done = subprocess.run([sys.executable, "-m", "frontier.train", "model=tiny", "--cfg", "hydra"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

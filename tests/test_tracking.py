@@ -33,11 +33,9 @@ from frontier.config import PROJECT_ROOT, ConfigError, TrackingConfig
 from frontier.observers import MetricsFile, notify
 from frontier.study import open_storage
 from frontier.trainer import train
-from tests.conftest import DATA_CACHE, command_in_process, spread
+from tests.conftest import DATA_CACHE, WIKI, command_in_process, spread
 
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # raised inside MLflow
-
-WIKI = PROJECT_ROOT.parent / "shared" / "data" / "text" / "wiki_en"
 
 # A few steps of the tiny model: every hook fires (logs, one checkpoint, final eval) in seconds.
 FAST = [

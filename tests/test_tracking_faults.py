@@ -23,11 +23,9 @@ from mlflow import MlflowClient
 
 from frontier.config import PROJECT_ROOT
 from frontier.observers import read_records
-from tests.conftest import command_in_process, fill, store_in
+from tests.conftest import WIKI, command_in_process, fill, store_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")]
-
-WIKI = PROJECT_ROOT.parent / "shared" / "data" / "text" / "wiki_en"
 
 # The tiny model for a few steps, one log per step, a val_bpb checkpoint at each quarter.
 RUN = [
