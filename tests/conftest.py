@@ -88,6 +88,12 @@ if (SHARED / "data" / "text" / "wiki_en").is_dir():
     os.environ["FRONTIER_DATA"] = str(linked_data(SHARED / "data", DATA))
 WIKI = DATA / "text" / "wiki_en"
 
+# The `python -m frontier.*` commands the tests start are forked from a process that imported their
+# libraries once (tests/zygote.py says when a command still starts a new interpreter)
+from tests import zygote  # noqa: E402
+
+zygote.install()
+
 # The suite's one tokenizer and token cache, the checkout's: pinned in every test run's data settings,
 # so that a test which moves FRONTIER_HOME reads it rather than tokenize the shards again.
 DATA_CACHE = f"data.cache_dir={ROOT / '.cache'}"
