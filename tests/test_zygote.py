@@ -20,7 +20,7 @@ def both(args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subpro
     """`python -m ARGS` forked, then as a new interpreter: the forked one must have been forked."""
     command = [sys.executable, "-m", *args]
     forked = zygote.ForkedPopen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-    assert forked._zygote is not None, "the command was not forked"
+    assert forked._zygote is not None, f"not forked: {forked.not_forked}"
     out, err = forked.communicate(timeout=300)
     new = zygote._ORIGINAL_POPEN(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
     new_out, new_err = new.communicate(timeout=300)
@@ -43,7 +43,8 @@ def test_a_forked_run_is_a_process_of_its_own_that_a_signal_stops(tmp_path):
     args = [sys.executable, "-m", "frontier.train", *FAST, "budget.seconds=600", f"hydra.run.dir={tmp_path / 'run'}"]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
-    assert process._zygote is not None and os.getpgid(process.pid) == process.pid != os.getpid()
+    assert process._zygote is not None, f"not forked: {process.not_forked}"
+    assert os.getpgid(process.pid) == process.pid != os.getpid()
     deadline = time.time() + 300
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.2)
@@ -63,5 +64,5 @@ def test_a_command_whose_start_could_differ_runs_as_a_new_interpreter(tmp_path, 
     else:
         kwargs["env"][change] = "7"
     process = subprocess.Popen([sys.executable, "-m", "frontier.train", "--help"], stdout=subprocess.DEVNULL, **kwargs)
-    assert process._zygote is None
+    assert process._zygote is None and process.not_forked
     assert process.wait(timeout=300) == 0

@@ -33,9 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Read by the libraries as they are imported (or by the interpreter at its start): a command whose
-# environment differs here from the server's runs as a new interpreter. (TORCHINDUCTOR_*, which torch
-# sets in the worker once a test compiles, is read when inductor is imported, which the server does not.)
-AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "TORCH_", "TRITON", "CUDA", "NVIDIA", "NEURON",
+# environment differs here from the server's runs as a new interpreter. Not here: TORCHINDUCTOR_* (which
+# torch sets in the worker once a test compiles), TRITON_* and NEURON_* (which frontier.device sets in
+# the worker), read when inductor, triton or the Neuron runtime starts, none of which the server starts.
+AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "TORCH_", "CUDA", "NVIDIA",
              "LD_", "MALLOC", "ONEDNN_", "DNNL_", "OPENBLAS", "MPL", "MLFLOW_CONFIGURE_LOGGING",
              "MLFLOW_LOGGING_LEVEL", "HOME", "XDG_", "TMPDIR", "LANG", "LC_")
 
@@ -274,19 +275,23 @@ def _forkable(kw: dict) -> dict | None:
                         and signal.getsignal(s) is signal.SIG_IGN]}
 
 
-def _same_at_import(env: dict, server_env: dict) -> bool:
+def _differs_at_import(env: dict, server_env: dict) -> list[str]:
     keys = {key for key in (*env, *server_env) if key.startswith(AT_IMPORT)}
-    return all(env.get(key) == server_env.get(key) for key in keys)
+    return sorted(key for key in keys if env.get(key) != server_env.get(key))
 
 
 class ForkedPopen(_ORIGINAL_POPEN):
     _zygote: socket.socket | None = None
+    not_forked = ""  # why the command started as a new interpreter
 
     def _execute_child(self, *args):
         kw = dict(zip(_PARAMETERS, args))
         request = _forkable(kw)
         address = _SERVER.address() if request is not None else None
-        if address is None or not _same_at_import(request["env"], _SERVER.env):
+        differ = _differs_at_import(request["env"], _SERVER.env) if address is not None else []
+        if request is None or address is None or differ:
+            self.not_forked = ("not a frontier command from the checkout" if request is None else
+                               "no server" if address is None else f"{', '.join(differ)} read at import")
             return super()._execute_child(*args)
         p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = (kw[name] for name in (
             "p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite"))
