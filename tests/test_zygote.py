@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(subprocess.Popen is not zygote.ForkedPopen,
 def both(args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """`python -m ARGS` forked, then as a new interpreter: the forked one must have been forked."""
     command = [sys.executable, "-m", *args]
+    kwargs = {"env": zygote._SERVER.env, **kwargs}  # whatever an earlier test in this worker set
     forked = zygote.ForkedPopen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
     assert forked._zygote is not None, f"not forked: {forked.not_forked}"
     out, err = forked.communicate(timeout=300)
@@ -42,7 +43,7 @@ def test_a_forked_run_is_a_process_of_its_own_that_a_signal_stops(tmp_path):
     """Its own pid and session (start_new_session), SIGTERM handled by the run as at a terminal: exit 130."""
     args = [sys.executable, "-m", "frontier.train", *FAST, "budget.seconds=600", f"hydra.run.dir={tmp_path / 'run'}"]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=zygote._SERVER.env)
     assert process._zygote is not None, f"not forked: {process.not_forked}"
     assert os.getpgid(process.pid) == process.pid != os.getpid()
     deadline = time.time() + 300
@@ -56,7 +57,7 @@ def test_a_forked_run_is_a_process_of_its_own_that_a_signal_stops(tmp_path):
 
 @pytest.mark.parametrize("change", ["PYTHONPATH", "OMP_NUM_THREADS", "cwd", "preexec_fn"])
 def test_a_command_whose_start_could_differ_runs_as_a_new_interpreter(tmp_path, change):
-    kwargs = {"env": dict(os.environ), "cwd": ROOT}
+    kwargs = {"env": dict(zygote._SERVER.env), "cwd": ROOT}
     if change == "cwd":
         kwargs["cwd"] = tmp_path
     elif change == "preexec_fn":

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Read by the libraries as they are imported (or by the interpreter at its start): a command whose
 # environment differs here from the server's runs as a new interpreter. Not here: TORCHINDUCTOR_* (which
 # torch sets in the worker once a test compiles), TRITON_* and NEURON_* (which frontier.device sets in
-# the worker), read when inductor, triton or the Neuron runtime starts, none of which the server starts.
-AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "TORCH_", "CUDA", "NVIDIA",
+# the worker), read when inductor, triton or the Neuron runtime starts, none of which the server starts;
+# KMP_* (a library sets one in the worker), read by Intel's OpenMP, which torch's Linux wheels do not load.
+AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "GOMP_", "ATEN_", "TORCH_", "CUDA", "NVIDIA",
              "LD_", "MALLOC", "ONEDNN_", "DNNL_", "OPENBLAS", "MPL", "MLFLOW_CONFIGURE_LOGGING",
              "MLFLOW_LOGGING_LEVEL", "HOME", "XDG_", "TMPDIR", "LANG", "LC_")
 
