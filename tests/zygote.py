@@ -183,7 +183,13 @@ def _run_module(module: str, args: list[str]) -> int:
     import traceback
     import warnings
 
+    import frontier
+    from frontier import timing
+
     sys.argv = [module, *args]
+    sys.orig_argv = [sys.executable, "-m", module, *args]  # what frontier reads to know it runs as a command
+    frontier._start_command()  # what importing frontier did in a command's process, not in the server
+    timing.restart()  # the process's work began at the fork, not at the server's start
     code, interrupted = 0, False
     try:
         with warnings.catch_warnings():
