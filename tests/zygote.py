@@ -17,6 +17,7 @@ every command as a new interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import json
@@ -105,7 +106,7 @@ def serve(name: str) -> None:
                 break
             client = children.pop(pid, None)
             if client is not None:
-                with _quietly():
+                with contextlib.suppress(OSError):  # a client that went away
                     _send(client, {"status": status})
                 client.close()
         if listener in ready:
@@ -129,16 +130,8 @@ def serve(name: str) -> None:
             os.read(started_read, 1)  # as Popen returns once the exec succeeded: the child's session is set
             os.close(started_read)
             children[pid] = client
-            with _quietly():
+            with contextlib.suppress(OSError):  # a client that went away
                 _send(client, {"pid": pid})
-
-
-class _quietly:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, err, tb):
-        return kind is not None and issubclass(kind, OSError)  # a client that went away
 
 
 def _child(request: dict, fds: list[int], started: int, *server_fds: int) -> int:
