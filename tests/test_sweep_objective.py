@@ -17,6 +17,7 @@ from optuna.trial import TrialState, create_trial
 from frontier.config import ConfigError
 from frontier.leaderboard import phase2_scores
 from frontier.study import open_storage
+from frontier import sweep_report
 from frontier.sweep_report import curve, write_report
 from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
 
@@ -136,22 +137,27 @@ def test_the_report_draws_the_pareto_front(tmp_path):
     assert "## Pareto front" in report["text"] and "# trial 1" in report["text"]
 
 
-IMPORTANCES = """
-import sys, optuna
-from frontier.sweep_report import param_importances
-optuna.logging.set_verbosity(optuna.logging.WARNING)
-study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-study.optimize(lambda t: t.suggest_float("x", 0, 1) + 0.01 * t.suggest_float("y", 0, 1), n_trials=20)
-importances = param_importances(study)
-print(max(importances, key=importances.get), "sklearn" in sys.modules)
-"""
+def importance_study(n_trials):
+    """x decides the value, y barely: PED-ANOVA should find x, given enough trials to tell."""
+    study = optuna.create_study(study_name="importances", sampler=optuna.samplers.RandomSampler(seed=0))
+    study.optimize(lambda t: t.suggest_float("x", 0, 1) + 0.01 * t.suggest_float("y", 0, 1), n_trials=n_trials)
+    return study
 
 
-def test_a_report_finds_the_parameter_that_matters_without_importing_scikit_learn():
-    """PED-ANOVA needs no scikit-learn, which optuna.importance would import (1.6 CPU-s a sweep)."""
-    done = subprocess.run([sys.executable, "-c", IMPORTANCES], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["x", "False"]
+def test_importances_are_withheld_below_the_trials_ped_anova_needs(tmp_path):
+    needed = sweep_report.MIN_IMPORTANCE_TRIALS
+    report = write_report(importance_study(needed - 1), tmp_path)
+    assert report["importances"] == {}
+    assert f"Importances need {needed} complete trials; this study has {needed - 1}." in report["text"]
+    assert not (tmp_path / "importances.png").exists()
+
+
+def test_importances_with_enough_trials_find_the_parameter_that_matters(tmp_path):
+    report = write_report(importance_study(sweep_report.MIN_IMPORTANCE_TRIALS), tmp_path)
+    assert max(report["importances"], key=report["importances"].get) == "x"
+    assert report["importances"]["x"] > 3 * report["importances"]["y"]
+    assert "Importances need" not in report["text"] and "| x | " in report["text"]
+    assert tmp_path / "importances.png" in report["files"]
 
 
 # -----------------------------------------------------------------------------
