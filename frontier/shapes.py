@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -48,10 +48,11 @@ class Fit:
     """val_bpb = a x^2 + b x + c in x = ln(params), and its minimum where it lies among the shapes."""
     coefficients: tuple[float, float, float] | None = None
     optimum: float | None = None  # params at the minimum
-    interval: tuple[float, float] | None = None  # of the optimum: 2.5 and 97.5 bootstrap percentiles
+    interval: tuple[float, float] | None = None  # of the optimum, 2.5 and 97.5 percentiles: only inside the shapes
     val_bpb: float | None = None  # predicted at the optimum
     val_bpb_interval: tuple[float, float] | None = None
-    resamples: int = 0  # the bootstrap resamples that had a minimum
+    outside: float | None = None  # the share of resamples whose curve has no minimum inside the swept sizes
+    interval_problem: str | None = None  # why the optimum has no interval
     problem: str | None = None  # why there is no optimum
 
 
@@ -117,18 +118,46 @@ def vertex_problem(coefficients, lowest: float, highest: float) -> str | None:
     return f"{why}: extend sweep.frontier.depths to {'deeper' if deeper else 'shallower'} shapes"
 
 
-def bootstrap_vertices(x: np.ndarray, y: np.ndarray, resamples: int, seed: int) -> np.ndarray:
-    """Each resample's parabola minimum (x, y), skipping degenerate ones: how far the optimum moves with the points."""
-    rng = np.random.default_rng(seed)
-    found = []
-    for _ in range(resamples):
-        pick = rng.integers(0, len(x), len(x))
-        if len(set(pick.tolist())) < MIN_SHAPES:
-            continue
-        coefficients = np.polyfit(x[pick], y[pick], 2)
-        if coefficients[0] > 0:
-            found.append(vertex(coefficients))
-    return np.array(found, dtype=float).reshape(-1, 2)
+def resampled_vertices(x: np.ndarray, y: np.ndarray, resamples: int,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A parametric bootstrap of the parabola's minimum (x, y) that carries the seeds' noise: each resample
+    adds Gaussian noise to the fitted curve at the shapes and refits. The noise level is the fit's own
+    residual one, itself drawn for each resample (RSS / chi2 with n - 3 degrees of freedom) because a few
+    shapes measure it loosely. A resample whose curve opens downward has no minimum: it is kept, its
+    optimum beyond the end where its curve is lower (x = +-inf) and its val_bpb -inf, so the percentiles
+    count it. y may hold many sweeps (..., n): every sweep's resamples at once, (..., resamples)."""
+    design = np.stack([x * x, x, np.ones_like(x)], axis=1)
+    solve = np.linalg.pinv(design)  # (3, n): least squares as a matrix
+    coefficients = y @ solve.T
+    rss = ((y - coefficients @ design.T) ** 2).sum(axis=-1)
+    sizes = y.shape[:-1] + (resamples,)
+    sigma = np.sqrt(rss[..., None] / rng.chisquare(len(x) - MIN_SHAPES, sizes))
+    drawn = coefficients[..., None, :] + sigma[..., None] * (rng.standard_normal(sizes + (len(x),)) @ solve.T)
+    a, b, c = drawn[..., 0], drawn[..., 1], drawn[..., 2]
+    lower_at_largest = a * x.max() ** 2 + b * x.max() < a * x.min() ** 2 + b * x.min()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        best_x = np.where(a > 0, -b / (2 * a), np.where(lower_at_largest, np.inf, -np.inf))
+        best_y = np.where(a > 0, c - b * b / (4 * a), -np.inf)
+    return best_x, best_y
+
+
+def percentiles(values: np.ndarray) -> np.ndarray:
+    """The 2.5 and 97.5 percentiles over the last axis, each a resample's own value (+-inf included)."""
+    return np.quantile(values, [0.025, 0.975], axis=-1, method="inverted_cdf")
+
+
+def unbracketed(low: float, high: float, points: list[Point]) -> str | None:
+    """Why an interval of ln(params) that leaves the swept sizes is no interval to give, and which way to extend."""
+    smallest, largest = min(points, key=lambda p: p.params), max(points, key=lambda p: p.params)
+    below, above = bool(low < math.log(smallest.params)), bool(high > math.log(largest.params))
+    if not (below or above):
+        return None
+    reaches = ([f"below the smallest shape (depth {smallest.depth}, {count(smallest.params)} params)"] * below
+               + [f"above the largest shape (depth {largest.depth}, {count(largest.params)} params)"] * above)
+    toward = ([f"smaller shapes (sweep.frontier.depths below {smallest.depth})"] * below
+              + [f"larger shapes (sweep.frontier.depths above {largest.depth})"] * above)
+    return (f"not bracketed: the 95% interval reaches {' and '.join(reaches)}; extend the family toward "
+            f"{' and '.join(toward)}")
 
 
 def fit(points: list[Point], resamples: int = RESAMPLES, seed: int = 0) -> Fit:
@@ -141,14 +170,18 @@ def fit(points: list[Point], resamples: int = RESAMPLES, seed: int = 0) -> Fit:
     if problem:
         return Fit(coefficients, problem=problem)
     best_x, best_y = vertex(coefficients)
-    vertices = bootstrap_vertices(x, y, resamples, seed)
-    interval = val_bpb_interval = None
-    if len(vertices):
-        low, high = np.percentile(vertices, [2.5, 97.5], axis=0)
-        with np.errstate(over="ignore"):  # a nearly flat resample's minimum is far out: its bound is inf
-            interval = float(np.exp(low[0])), float(np.exp(high[0]))
-        val_bpb_interval = float(low[1]), float(high[1])
-    return Fit(coefficients, math.exp(best_x), interval, best_y, val_bpb_interval, len(vertices))
+    found = Fit(coefficients, math.exp(best_x), val_bpb=best_y)
+    if len(points) == MIN_SHAPES:
+        return replace(found, interval_problem=f"no interval: with {MIN_SHAPES} shapes the parabola runs through "
+                                               "each and leaves no residual to measure the noise by; sweep 4 or more")
+    xs, ys = resampled_vertices(x, y, resamples, np.random.default_rng(seed))
+    outside = float(np.mean(~((x.min() <= xs) & (xs <= x.max()))))
+    (low, high), (low_y, high_y) = percentiles(xs), percentiles(ys)
+    why = unbracketed(low, high, points)
+    if why:
+        return replace(found, outside=outside, interval_problem=why)
+    return replace(found, interval=(math.exp(low), math.exp(high)), outside=outside,
+                   val_bpb_interval=(float(low_y), float(high_y)) if math.isfinite(low_y) else None)
 
 
 def speed_curve(trials: list) -> tuple[float, float] | None:
@@ -229,6 +262,7 @@ def summary(study: optuna.Study) -> dict | None:
     fits = analyse(study)
     budgets = {f.seconds: {"optimum_params": f.fit.optimum, "interval": f.fit.interval, "val_bpb": f.fit.val_bpb,
                            "val_bpb_interval": f.fit.val_bpb_interval, "tokens": f.tokens, "command": f.command,
+                           "outside": f.fit.outside, "interval_problem": f.fit.interval_problem,
                            "problem": f.fit.problem} for f in fits}
     return {"budgets": budgets, "scaling": scaling(fits)}
 
@@ -284,12 +318,16 @@ def optimum_lines(budget: BudgetFit) -> list[str]:
     found = budget.fit
     if found.optimum is None:
         return [f"**No optimum**: {found.problem}.", ""]
-    lines = [f"**Optimum: {count(found.optimum)} params**"
-             + (f" (95% interval {count(found.interval[0])}-{count(found.interval[1])}, from {found.resamples} "
-                f"of {RESAMPLES} bootstrap resamples)" if found.interval else "")
-             + f", predicted val_bpb {found.val_bpb:.4f}"
+    if found.interval:
+        uncertainty = f" (95% interval {count(found.interval[0])}-{count(found.interval[1])})"
+    else:
+        uncertainty = f" ({found.interval_problem})"
+    lines = [f"**Optimum: {count(found.optimum)} params**{uncertainty}, predicted val_bpb {found.val_bpb:.4f}"
              + (f" ({found.val_bpb_interval[0]:.4f}-{found.val_bpb_interval[1]:.4f})"
                 if found.val_bpb_interval else "") + "."]
+    if found.outside is not None:
+        lines[0] += (f" In {found.outside:.0%} of {RESAMPLES} resamples the curve has no minimum inside the swept "
+                     "range.")
     if budget.tokens is not None:
         lines[0] += (f" At this device's speed (tokens/s ∝ params^{budget.speed[0]:.2f}) it sees "
                      f"{count(budget.tokens)} tokens in {budget.seconds:g} s, "
@@ -355,8 +393,10 @@ def report_lines(study: optuna.Study) -> list[str]:
              f"{frontier['aspect_ratio']} rounded up to a multiple of {frontier['head_dim']}, n_head = d_model / "
              f"{frontier['head_dim']}), each at optim.lr_scale {', '.join(f'{s:g}' for s in frontier['lr_scales'])}, "
              f"on {frontier['device']}. At each budget a parabola in ln(params) through each shape's best val_bpb "
-             f"gives the optimal size; its interval is the 2.5-97.5 percentiles over {RESAMPLES} bootstrap "
-             "resamples of the shapes.", ""]
+             f"gives the optimal size; its 95% interval is the 2.5-97.5 percentiles over {RESAMPLES} resamples "
+             "of a parametric bootstrap that adds the fit's residual noise (the seeds' noise, its level drawn "
+             "afresh for each resample) to the curve at each shape and refits, given only where it lies "
+             "inside the swept sizes.", ""]
     for budget in fits:
         lines += budget_lines(frontier, budget)
     law = scaling(fits)
@@ -391,10 +431,10 @@ def plot_frontier(fits: list[BudgetFit], title: str, path: Path) -> None:
         if found.coefficients:
             x = np.linspace(*np.log([budget.points[0].params, budget.points[-1].params]), 100)
             ax.plot(np.exp(x), np.polyval(found.coefficients, x), color=color, lw=1)
-        if found.optimum is not None:
+        if found.optimum is not None:  # an interval only where the swept sizes bracket it
             ax.errorbar([found.optimum], [found.val_bpb], xerr=error_bar(found.optimum, found.interval),
                         yerr=error_bar(found.val_bpb, found.val_bpb_interval), fmt="*", ms=14, color=color,
-                        capsize=4, label=f"{budget.seconds:g} s: optimum, 95% interval")
+                        capsize=4, label=f"{budget.seconds:g} s: optimum" + (", 95% interval" if found.interval else ""))
     ax.set_xscale("log")
     ax.set_xlabel("params")
     ax.set_ylabel("val_bpb (lower is better)")

@@ -38,7 +38,60 @@ def test_the_fit_recovers_a_known_optimum_within_its_bootstrap_interval():
     assert found.interval[0] <= 1e6 <= found.interval[1]
     assert found.val_bpb == pytest.approx(1.5, abs=0.02)
     assert found.val_bpb_interval[0] < found.val_bpb_interval[1]
-    assert found.resamples > 0.9 * shapes.RESAMPLES  # of 8 points, a resample rarely has fewer than 3 distinct
+    assert found.outside < 0.01 and found.interval_problem is None  # a clear minimum, well inside the shapes
+
+
+SWEPT = np.geomspace(537e3, 11e6, 6)  # six shapes over the span of a CPU's depths 1 to 8
+
+
+@pytest.mark.parametrize("curvature, noise", [(0.1, 0.01), (0.03, 0.02)])  # a clear minimum; a flat, noisy one
+def test_the_nominal_95_percent_interval_covers_the_true_optimum_and_its_val_bpb_95_percent_of_the_time(
+        curvature, noise):
+    """2000 synthetic sweeps of a known parabola plus seed noise: the share whose interval holds the truth is
+    0.95 within +-2% (3 standard errors), neither too narrow nor padded. Sweeps whose interval leaves the
+    shapes count with that interval, as the report would have drawn it had it been bracketed."""
+    rng = np.random.default_rng(0)
+    x, optimum = np.log(SWEPT), math.log(2e6)
+    y = curvature * (x - optimum) ** 2 + 1.5 + noise * rng.standard_normal((2000, len(x)))
+    best_x, best_y = shapes.resampled_vertices(x, y, shapes.RESAMPLES, rng)
+    (low, high), (low_y, high_y) = shapes.percentiles(best_x), shapes.percentiles(best_y)
+    assert 0.93 <= np.mean((low <= optimum) & (optimum <= high)) <= 0.97
+    assert 0.93 <= np.mean((low_y <= 1.5) & (1.5 <= high_y)) <= 0.97
+
+
+def test_an_interval_that_leaves_the_swept_shapes_is_not_given_and_says_which_way_to_extend(tmp_path):
+    found = shapes.fit(points(SWEPT, parabola(SWEPT, 6e5, curvature=0.05, noise=0.02, seed=1)))
+    assert found.optimum == pytest.approx(7.0e5, rel=0.05)  # the fit itself has a minimum among the shapes
+    assert found.interval is None and found.val_bpb_interval is None
+    assert found.interval_problem == ("not bracketed: the 95% interval reaches below the smallest shape (depth 0, "
+                                      "537k params); extend the family toward smaller shapes "
+                                      "(sweep.frontier.depths below 0)")
+    swept = points(SWEPT, parabola(SWEPT, 6e5, curvature=0.05, noise=0.02, seed=1))
+    budget = shapes.BudgetFit(60.0, [], swept, found, None, nearest=swept[0], command="python -m frontier.train")
+    line = shapes.optimum_lines(budget)[0]
+    assert line.startswith(f"**Optimum: 702k params** ({found.interval_problem}), predicted val_bpb")
+    assert f"In {found.outside:.0%} of 1000 resamples the curve has no minimum inside the swept range." in line
+    larger = shapes.fit(points(SWEPT, parabola(SWEPT, 8e6, curvature=0.05, noise=0.02, seed=3)))
+    assert larger.interval is None and "above the largest shape (depth 5, 11M params)" in larger.interval_problem
+    assert "toward larger shapes (sweep.frontier.depths above 5)" in larger.interval_problem
+
+
+def test_the_share_of_resamples_without_a_minimum_among_the_shapes_is_reported_not_dropped():
+    flat = shapes.fit(points(SWEPT, parabola(SWEPT, 6e5, curvature=0.05, noise=0.02, seed=1)))
+    assert 0.1 < flat.outside < 0.3  # a minimum near the smallest shape: many resamples put it beyond
+    curved = shapes.fit(points(SWEPT, parabola(SWEPT, 2e6, curvature=0.3, noise=0.01)))
+    assert curved.outside == 0.0
+    # a curve that opens downward in a resample is counted there, not skipped: the share equals the count
+    x, y = np.log(SWEPT), np.array(parabola(SWEPT, 6e5, curvature=0.05, noise=0.02, seed=1))
+    best_x, best_y = shapes.resampled_vertices(x, y, shapes.RESAMPLES, np.random.default_rng(0))
+    assert best_x.shape == (shapes.RESAMPLES,) and np.isinf(best_y).sum() == np.isinf(best_x).sum() > 0
+    assert flat.outside == np.mean((best_x < x.min()) | (best_x > x.max()))
+
+
+def test_three_shapes_give_an_optimum_without_an_interval():
+    found = shapes.fit(points(SWEPT[::2], parabola(SWEPT[::2], 2e6, noise=0.01)))
+    assert found.optimum is not None and found.interval is None and found.outside is None
+    assert found.interval_problem.startswith("no interval: with 3 shapes the parabola runs through each")
 
 
 @pytest.mark.parametrize("optimum, curvature, words", [
@@ -134,6 +187,8 @@ def test_the_report_of_a_frontier_sweep_gives_the_optimum_its_command_and_plots(
         assert found["optimum_params"] == pytest.approx(optimum_at(seconds), rel=0.05)
         assert found["interval"][0] <= found["optimum_params"] <= found["interval"][1]
         assert found["val_bpb"] == pytest.approx(1.5, abs=0.01)
+        assert found["outside"] == 0.0 and found["interval_problem"] is None
+    assert "In 0% of 1000 resamples the curve has no minimum inside the swept range." in text
     # 6.0M params at 240 s: depth 6 (5.8M) is the nearest shape, best at the smaller scale.
     command = ("python -m frontier.train model=tiny eval.final_tokens=65536 model.depth=6 model.d_model=192 "
                "model.n_head=3 optim.lr_scale=0.5 budget.seconds=240.0")

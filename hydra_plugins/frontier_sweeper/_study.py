@@ -484,9 +484,9 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 continue
             metrics[f"frontier_optimum_params_{seconds:g}s"] = fit["optimum_params"]
             metrics[f"frontier_val_bpb_{seconds:g}s"] = fit["val_bpb"]
-            low, high = fit["interval"]
+            interval = "{:,.0f} ... {:,.0f}".format(*fit["interval"]) if fit["interval"] else fit["interval_problem"]
             log.info(f"frontier at {seconds:g} s: the optimum is {fit['optimum_params']:,.0f} parameters "
-                     f"({low:,.0f} ... {high:,.0f}), predicted val_bpb {fit['val_bpb']:.4f}; the nearest shape: "
+                     f"({interval}), predicted val_bpb {fit['val_bpb']:.4f}; the nearest shape: "
                      f"{fit['command']}")
         confirmed = report.get("confirmation") or {}
         if confirmed.get("winner"):
