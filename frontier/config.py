@@ -389,6 +389,8 @@ OBJECTIVES = ("val_bpb", "composite", "pareto")
 
 # the keys a frontier sweep crosses: the sweeper writes them into each trial, the fit reads them back
 FRONTIER_DEPTH, FRONTIER_LR_SCALE, FRONTIER_BUDGET = "model.depth", "optim.lr_scale", "budget.seconds"
+# and the user attributes of the trials that follow its grid: a step beyond the bracket; sweep.validate's plan
+FRONTIER_EXTENSION, FRONTIER_VALIDATE_PLAN = "lr_extension", "validate_plan"
 
 
 @dataclass
@@ -454,6 +456,8 @@ class SweepConfig:
     confirm_top: int = 2  # how many of the best configurations are confirmed
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
+    # seeds each of the predicted optimum's nearest shape and its two neighbours trains after a frontier's fit
+    validate: int = 0
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
@@ -490,6 +494,9 @@ class SweepConfig:
         _require(self.confirm != 1, "sweep.confirm", self.confirm,
                  "at least 2 seeds, or a noise floor cannot be measured; 0 turns confirmation off")
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
+        _require(self.validate == 0 or (self.validate >= 2 and self.frontier is not None), "sweep.validate",
+                 self.validate, "0 (off), or at least 2 seeds (a comparison needs each shape's spread) on a "
+                 "frontier sweep (sweep=frontier), whose fit predicts the shape to validate")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
         if self.budgets is not None:

@@ -9,6 +9,7 @@ The sweep report (frontier/sweep_report.py) adds this section and its two plots 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,13 +22,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
+from scipy.stats import ttest_ind  # noqa: E402
 
 from frontier.config import (  # noqa: E402
-    FRONTIER_BUDGET as BUDGET, FRONTIER_DEPTH as DEPTH, FRONTIER_LR_SCALE as LR_SCALE)
+    FRONTIER_BUDGET as BUDGET, FRONTIER_DEPTH as DEPTH, FRONTIER_LR_SCALE as LR_SCALE,
+    FRONTIER_VALIDATE_PLAN as VALIDATE_PLAN)
 
 MIN_SHAPES = 3  # a parabola has three coefficients
 RESAMPLES = 1000
 COMPETITION = {"phase 1": 1800.0, "phase 2": 14400.0}  # the competition's budgets in seconds
+BEATEN = 0.05  # a neighbour beats the predicted shape when Welch's one-sided test gives p below this
 TITLE = "## Frontier: the best shape for this device and budget"
 
 
@@ -255,6 +259,34 @@ def scaling(fits: list[BudgetFit]) -> dict | None:
                              for name, s in COMPETITION.items()}}
 
 
+def validation(study: optuna.Study) -> dict | None:
+    """sweep.validate's runs (hydra_plugins/frontier_sweeper/_frontier.py) by shape, and whether the optimum
+    held: whether a neighbour's mean val_bpb is lower than the predicted shape's beyond the seeds' noise,
+    by Welch's t-test (one-sided, unequal variances; p < BEATEN). None where no validation was planned."""
+    plan = study.user_attrs.get(VALIDATE_PLAN)
+    if not plan:
+        return None
+    values: dict[str, list[float]] = {c["label"]: [] for c in plan["configs"]}
+    for t in finished(study.get_trials(deepcopy=False)):
+        if t.user_attrs.get("confirm") in values:
+            values[t.user_attrs["confirm"]].append(t.value)
+    rows = [{"label": c["label"], "depth": c["params"][DEPTH], "lr_scale": c["params"][LR_SCALE],
+             "values": values[c["label"]], "p": None} for c in plan["configs"]]
+    result = {"seconds": plan["seconds"], "seeds": plan["seeds"], "problem": plan["problem"], "rows": rows,
+              "predicted": next((r for r in rows if r["label"] == plan["predicted"]), None), "beaten_by": [],
+              "held": None}
+    predicted = result["predicted"]
+    if predicted is None or len(predicted["values"]) < 2:
+        return result
+    neighbours = [r for r in rows if r is not predicted and len(r["values"]) >= 2]
+    for r in neighbours:
+        r["p"] = float(ttest_ind(r["values"], predicted["values"], equal_var=False, alternative="less").pvalue)
+    result["beaten_by"] = [r for r in neighbours if r["p"] < BEATEN]  # nan (no spread at all) never beats
+    if len(neighbours) == len(rows) - 1:  # every comparison made
+        result["held"] = not result["beaten_by"]
+    return result
+
+
 def summary(study: optuna.Study) -> dict | None:
     """The report's numbers (per budget the optimum, interval and command; the scaling) for callers to log."""
     if not study.user_attrs.get("frontier"):
@@ -264,7 +296,9 @@ def summary(study: optuna.Study) -> dict | None:
                            "val_bpb_interval": f.fit.val_bpb_interval, "tokens": f.tokens, "command": f.command,
                            "outside": f.fit.outside, "interval_problem": f.fit.interval_problem,
                            "problem": f.fit.problem} for f in fits}
-    return {"budgets": budgets, "scaling": scaling(fits)}
+    checked = validation(study)
+    held = None if checked is None else checked["held"]
+    return {"budgets": budgets, "scaling": scaling(fits), "validation_held": held}
 
 
 # -----------------------------------------------------------------------------
@@ -338,17 +372,20 @@ def optimum_lines(budget: BudgetFit) -> list[str]:
     return lines
 
 
-def bracket_line(frontier: dict, budget: BudgetFit) -> str | None:
-    """A warning when every shape did best at one end of the learning-rate bracket: each point's rate is
-    then not tuned, and the fit compares shapes at rates that may all be off."""
-    scales = sorted(frontier["lr_scales"])
-    best = {p.lr_scale for p in budget.points}
-    if len(scales) < 2 or len(budget.points) < MIN_SHAPES or len(best) != 1 or best.pop() not in (scales[0], scales[-1]):
-        return None
-    edge, which, way = ((scales[-1], "largest", "a larger") if budget.points[0].lr_scale == scales[-1]
-                        else (scales[0], "smallest", "a smaller"))
-    return (f"**Note**: every shape did best at the {which} optim.lr_scale swept ({edge:g}): the best rates may lie "
-            f"beyond it; add {way} scale to sweep.frontier.lr_scales.")
+def bracket_line(budget: BudgetFit) -> str | None:
+    """A warning for the shapes whose best scale is still an end of the scales they trained (the bracket,
+    and the step beyond it a sweep adds): their rates are not tuned, and the fit compares them at rates
+    that may be off."""
+    tried: dict[int, set[float]] = {}
+    for t in finished(budget.trials):
+        tried.setdefault(t.params[DEPTH], set()).add(t.params[LR_SCALE])
+    notes = []
+    for end, which, way in ((max, "largest", "a larger"), (min, "smallest", "a smaller")):
+        depths = [p.depth for p in budget.points if len(tried[p.depth]) > 1 and p.lr_scale == end(tried[p.depth])]
+        if depths:
+            notes.append(f"depth {', '.join(map(str, depths))} did best at the {which} optim.lr_scale trained: the "
+                         f"best rate may lie beyond it; add {way} scale to sweep.frontier.lr_scales")
+    return f"**Note**: {'; '.join(notes)}." if notes else None
 
 
 def budget_lines(frontier: dict, budget: BudgetFit) -> list[str]:
@@ -359,12 +396,45 @@ def budget_lines(frontier: dict, budget: BudgetFit) -> list[str]:
         lines += [f"**Unfinished** {missing}.", ""]
     if budget.points:
         lines += shape_table(frontier, budget)
-    bracket = bracket_line(frontier, budget)
+    bracket = bracket_line(budget)
     if bracket:
         lines += [bracket, ""]
     if budget.fit.coefficients is None and missing:  # the line above already says the fit needs more shapes
         return lines
     return lines + optimum_lines(budget)
+
+
+def validation_lines(checked: dict) -> list[str]:
+    """The validated shapes' runs and the verdict: the prediction tested on runs the fit did not see."""
+    lines = [f"### Validation at {checked['seconds']:g} s", ""]
+    if checked["predicted"] is None:
+        return lines + [f"sweep.validate trained nothing: the fit at {checked['seconds']:g} s has no optimum "
+                        f"({checked['problem']}).", ""]
+    seeds = ", ".join(map(str, checked["seeds"]))
+    lines += [f"The shape nearest the predicted optimum and its neighbours, each at its best scale, trained again "
+              f"with seeds {seeds}:", "",
+              "| depth | lr_scale | runs | mean val_bpb | sd | values | Welch p (lower than predicted) |",
+              "|---|---|---|---|---|---|---|"]
+    for r in checked["rows"]:
+        v = r["values"]
+        mean = f"{statistics.fmean(v):.4f}" if v else ""
+        sd = f"{statistics.stdev(v):.4f}" if len(v) > 1 else ""
+        p = "(predicted)" if r is checked["predicted"] else ("" if r["p"] is None else f"{r['p']:.3g}")
+        lines.append(f"| {r['depth']} | {r['lr_scale']:g} | {len(v)} | {mean} | {sd} | "
+                     f"{', '.join(f'{x:.4f}' for x in v)} | {p} |")
+    predicted = checked["predicted"]["depth"]
+    test = f"Welch's t-test, one-sided, p < {BEATEN:g}"
+    if checked["beaten_by"]:
+        better = ", ".join(f"depth {r['depth']} (p = {r['p']:.3g})" for r in checked["beaten_by"])
+        verdict = (f"**The optimum did not hold**: {better} has a lower mean val_bpb than depth {predicted} beyond "
+                   f"the seeds' noise ({test}); the optimum lies toward it.")
+    elif checked["held"]:
+        verdict = (f"**The optimum held**: no neighbour's mean val_bpb is lower than depth {predicted}'s beyond the "
+                   f"seeds' noise ({test}).")
+    else:
+        verdict = ("**Unfinished**: the comparison needs 2 finished runs of each shape; the verdict waits for "
+                   "them.")
+    return lines + ["", verdict, ""]
 
 
 def scaling_lines(law: dict, device: str) -> list[str]:
@@ -399,6 +469,9 @@ def report_lines(study: optuna.Study) -> list[str]:
              "inside the swept sizes.", ""]
     for budget in fits:
         lines += budget_lines(frontier, budget)
+    checked = validation(study)
+    if checked:
+        lines += validation_lines(checked)
     law = scaling(fits)
     if law:
         lines += scaling_lines(law, frontier["device"])

@@ -16,6 +16,7 @@ from frontier.sweep_report import write_report
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 DEPTHS, LR_SCALES = [2, 4, 6, 8, 10, 12], [0.5, 1.0]
+TRIED_SCALES = [0.25, 0.5, 1.0, 2.0]  # the bracket and the step beyond each end (the study's distribution)
 BASE = ["model=tiny", "eval.final_tokens=65536"]  # settings of every trial the command must keep
 
 
@@ -151,14 +152,14 @@ def grid_trial(depth, lr_scale, seconds, state=TrialState.COMPLETE):
     """One trial of the grid: deep shapes prefer the smaller scale; the device slows with size."""
     params = {"model.depth": depth, "optim.lr_scale": lr_scale, "budget.seconds": seconds}
     distributions = {"model.depth": CategoricalDistribution(DEPTHS),
-                     "optim.lr_scale": CategoricalDistribution(LR_SCALES),
+                     "optim.lr_scale": CategoricalDistribution(TRIED_SCALES),
                      "budget.seconds": CategoricalDistribution([60.0, 240.0])}
     if state != TrialState.COMPLETE:
         return create_trial(state=state, params=params, distributions=distributions)
     n = params_of(depth)
     speed = 1e5 * (n / 1e6) ** -0.8
     noise = parabola([n], optimum_at(seconds), noise=0.005, seed=depth * 1000 + int(lr_scale * 10 + seconds))[0]
-    bpb = noise + 0.05 * abs(lr_scale - (1.0 if depth < 6 else 0.5))
+    bpb = noise + 0.05 * abs(math.log2(lr_scale / (1.0 if depth < 6 else 0.5)))
     overrides = [*BASE, *(f"{k}={v}" for k, v in shape_of(depth).items()), f"optim.lr_scale={lr_scale}",
                  f"budget.seconds={seconds}"]
     return create_trial(params=params, distributions=distributions, value=bpb,
@@ -177,8 +178,9 @@ def frontier_study(trials):
 
 
 def test_the_report_of_a_frontier_sweep_gives_the_optimum_its_command_and_plots(tmp_path):
-    study = frontier_study([grid_trial(d, s, t) for t in (60.0, 240.0) for d in DEPTHS for s in LR_SCALES])
-    report = write_report(study, tmp_path)
+    grid = [grid_trial(d, s, t) for t in (60.0, 240.0) for d in DEPTHS for s in LR_SCALES]
+    beyond = [grid_trial(d, 2.0 if d < 6 else 0.25, t) for t in (60.0, 240.0) for d in DEPTHS]  # each shape's edge
+    report = write_report(frontier_study(grid + beyond), tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert shapes.TITLE in text and text.index(shapes.TITLE) < text.index("## Where the time went")
     assert "Unfinished" not in text and "No optimum" not in text
@@ -198,14 +200,17 @@ def test_the_report_of_a_frontier_sweep_gives_the_optimum_its_command_and_plots(
     assert "**Extrapolated** to the competition's budgets" in text and "| phase 2 (14400 s) |" in text
     for name in ("frontier.png", "speed.png"):
         assert tmp_path / name in report["files"] and (tmp_path / name).stat().st_size > 0
-    assert "**Note**: every shape did best" not in text  # deep shapes preferred the smaller scale
+    assert "**Note**" not in text  # each shape's best scale lies inside the scales it trained
 
 
-def test_a_bracket_every_shape_tops_out_at_says_which_way_to_extend_the_learning_rates(tmp_path):
+def test_shapes_best_at_an_end_of_the_scales_they_trained_are_named_with_the_way_to_extend(tmp_path):
     trials = [grid_trial(d, s, 60.0) for d in DEPTHS for s in LR_SCALES if d < 6 or s == 1.0]  # best at 1.0
+    trials += [grid_trial(10, 0.5, 60.0), grid_trial(12, 0.5, 60.0), grid_trial(12, 0.25, 60.0)]  # both best at 0.5,
+    # an end of what 10 trained, inside what 12 trained
     text = write_report(frontier_study(trials), tmp_path)["text"]
-    assert ("**Note**: every shape did best at the largest optim.lr_scale swept (1): the best rates may lie "
-            "beyond it; add a larger scale to sweep.frontier.lr_scales.") in text
+    assert ("**Note**: depth 2, 4 did best at the largest optim.lr_scale trained: the best rate may lie beyond it; "
+            "add a larger scale to sweep.frontier.lr_scales; depth 10 did best at the smallest optim.lr_scale "
+            "trained: the best rate may lie beyond it; add a smaller scale to sweep.frontier.lr_scales.") in text
 
 
 def test_the_report_of_an_unfinished_frontier_sweep_says_what_is_missing(tmp_path):

@@ -1,24 +1,37 @@
 """The grid a frontier sweep trains: a family of shapes along model.depth, a bracket of learning-rate
-scales per shape, and the budgets (sweep.budgets), sized by default to the device.
+scales per shape, and the budgets (sweep.budgets), sized by default to the device; and the trials
+that follow the grid.
 
 Each trial's Optuna parameters are the depth, the scale and the budget; the shape's width and heads
 follow from the depth and join the trial's overrides, so its record and command are complete.
+
+Once every grid trial has ended, a shape whose best scale is an end of the bracket trains once more
+one step beyond it (the bracket's own ratio; user attribute `lr_extension`): its rate was not tuned
+otherwise. Then, with `sweep.validate=N`, the predicted optimum's nearest shape and its two neighbours
+at the longest budget train N seeds each (`validate_plan`; its runs are tagged as confirmation runs
+are, `confirm` and `confirm_seed`, and with `validate`). Neither counts toward sweep.n_trials.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState
 
 from frontier.config import FRONTIER_BUDGET as BUDGET, FRONTIER_DEPTH as DEPTH, FRONTIER_LR_SCALE as LR_SCALE
+from frontier.config import FRONTIER_EXTENSION as EXTENSION, FRONTIER_VALIDATE_PLAN as VALIDATE_PLAN
 from frontier.config import ConfigError, FrontierConfig
+from hydra_plugins.frontier_sweeper._confirm import confirmation_running, is_confirmation, next_run, search_running
+from hydra_plugins.frontier_sweeper._workers import WAIT
 
 # Small depths where a CPU trains a shape in minutes; the competition's base region on accelerators.
 DEVICE_DEPTHS = {"cpu": [1, 2, 3, 4, 6, 8], "accelerator": [6, 8, 10, 12, 14, 16]}
 # A CPU's optimum at minutes of training lies at widths of 32 to 128: heads of 32 keep each width whole.
 CPU_HEAD_DIM = 32
 BYTES_PER_PARAM = 16  # fp32 weights, gradients and two optimizer moments
+VALIDATE = "validate"  # the label's prefix and a user attribute of a sweep.validate run
 
 
 @dataclass(frozen=True)
@@ -35,8 +48,22 @@ class Family:
         d_model = math.ceil(depth * self.aspect_ratio / self.head_dim) * self.head_dim
         return {DEPTH: depth, "model.d_model": d_model, "model.n_head": d_model // self.head_dim}
 
+    def beyond(self) -> dict[float, float]:
+        """Each end of the bracket and the scale one step past it, by the ratio of the bracket's end step."""
+        scales = self.lr_scales
+        if len(scales) < 2:
+            return {}
+        return {scales[0]: round(scales[0] ** 2 / scales[1], 12), scales[-1]: round(scales[-1] ** 2 / scales[-2], 12)}
+
+    def grid(self) -> dict[str, list]:
+        """The points every sweep trains: the bracket, not the steps beyond it."""
+        return {DEPTH: self.depths, LR_SCALE: self.lr_scales, BUDGET: self.budgets}
+
     def space(self) -> dict[str, BaseDistribution]:
-        return {DEPTH: CategoricalDistribution(self.depths), LR_SCALE: CategoricalDistribution(self.lr_scales),
+        """The trials' distributions: an Optuna parameter keeps its choices through a study, so the scale's
+        holds the steps beyond the bracket that an edge shape may train later."""
+        scales = sorted([*self.lr_scales, *self.beyond().values()])
+        return {DEPTH: CategoricalDistribution(self.depths), LR_SCALE: CategoricalDistribution(scales),
                 BUDGET: CategoricalDistribution(self.budgets)}
 
     def costliest(self) -> dict:
@@ -54,6 +81,64 @@ class Family:
         return {"depths": self.depths, "aspect_ratio": self.aspect_ratio, "head_dim": self.head_dim,
                 "lr_scales": self.lr_scales, "budgets": self.budgets, "device": self.device,
                 "shapes": {str(d): self.shape(d) for d in self.depths}}
+
+
+def extensions(family_: Family, trials: list[FrozenTrial]) -> list[dict]:
+    """The trials one step beyond the bracket: one for each shape and budget whose best finished scale is
+    an end of the bracket and that has not trained that step yet."""
+    beyond, wanted = family_.beyond(), []
+    for seconds in family_.budgets:
+        for depth in family_.depths:
+            shape = [t for t in trials if t.params.get(DEPTH) == depth and t.params.get(BUDGET) == seconds]
+            done = [t for t in shape if t.state == TrialState.COMPLETE and t.value is not None]
+            if not done:
+                continue
+            edge = min(done, key=lambda t: t.value).params[LR_SCALE]
+            if edge in beyond and all(t.params.get(LR_SCALE) != beyond[edge] for t in shape):
+                wanted.append({DEPTH: depth, LR_SCALE: beyond[edge], BUDGET: seconds})
+    return wanted
+
+
+def validate_plan(study: optuna.Study, seeds: int, run_seed: int) -> dict:
+    """sweep.validate's runs: at the longest budget, the swept shape nearest the predicted optimum and its
+    neighbours along the depths, each at its best scale, with `seeds` seeds the grid did not use."""
+    from frontier import shapes  # the fit, only once a sweep asks for validation
+
+    seconds = max(study.user_attrs["frontier"]["budgets"])
+    points = shapes.best_points(shapes.at_budget(shapes.search_trials(study), seconds))
+    found = shapes.fit(points)
+    plan = {"seconds": seconds, "seeds": [run_seed + i for i in range(1, seeds + 1)], "configs": [],
+            "predicted": None, "problem": found.problem}
+    if found.optimum is None:
+        return plan
+    at = points.index(shapes.nearest(points, found.optimum))
+    plan["predicted"] = f"{VALIDATE} depth {points[at].depth}"
+    plan["configs"] = [{"label": f"{VALIDATE} depth {p.depth}", "params": {DEPTH: p.depth, LR_SCALE: p.lr_scale, BUDGET: seconds}}
+                       for p in points[max(at - 1, 0):at + 2]]
+    return plan
+
+
+def next_after_grid(family_: Family, study: optuna.Study, validate: int, run_seed: int):
+    """The next trial once the grid is run, as (params, user attributes): an edge shape's step beyond its
+    bracket, then sweep.validate's runs. WAIT while a running trial may change what follows (or fail and be
+    retried); None when none is left."""
+    if search_running(study):
+        return WAIT
+    searched = [t for t in study.get_trials(deepcopy=False) if not is_confirmation(t)]
+    wanted = extensions(family_, searched)
+    if wanted:
+        return wanted[0], {EXTENSION: True}
+    if not validate:
+        return None
+    plan = study.user_attrs.get(VALIDATE_PLAN)
+    if plan is None:
+        plan = validate_plan(study, validate, run_seed)
+        study.set_user_attr(VALIDATE_PLAN, plan)
+    found = next_run(study, plan)
+    if found is None:
+        return WAIT if confirmation_running(study) else None
+    config, seed = found
+    return config["params"], {"confirm": config["label"], "confirm_seed": seed, VALIDATE: True}
 
 
 def family(frontier: FrontierConfig, budgets: list[float] | None, model, budget_seconds: float,

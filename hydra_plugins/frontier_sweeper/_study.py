@@ -34,7 +34,8 @@ from frontier.config import ConfigError, SweepConfig, error_line, store_error_li
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
                                                      search_running, seeds_per_configuration)
-from hydra_plugins.frontier_sweeper._frontier import BUDGET, Family, check_fits, check_space, family
+from hydra_plugins.frontier_sweeper._frontier import (BUDGET, Family, check_fits, check_space, family,
+                                                      next_after_grid)
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._parent_run import ParentRun, TrackingStartError
@@ -84,8 +85,8 @@ class PerTrialSeed(optuna.samplers.BaseSampler):
         self.inner.reseed_rng()
 
 
-def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution],
-                 seed: int | None) -> optuna.samplers.BaseSampler:
+def make_sampler(sweep: SweepConfig, grid, seed: int | None) -> optuna.samplers.BaseSampler:
+    """`grid` gives the grid sampler its points when it is asked for (other samplers take the trial's space)."""
     startup = sweep.n_startup_trials
     if sweep.sampler == "tpe":
         # Optuna 5 changed TPE's defaults: the settings that matter are pinned here. constant_liar
@@ -95,7 +96,7 @@ def make_sampler(sweep: SweepConfig, space: dict[str, BaseDistribution],
     if sweep.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sweep.sampler == "grid":  # trial N runs point N of one shuffled order: sweep.seed's, never per trial
-        return GridSampler(grid_values(space), seed=sweep.seed)
+        return GridSampler(grid(), seed=sweep.seed)
     if sweep.sampler == "cmaes":
         import importlib.util
 
@@ -155,10 +156,10 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.study_name = self.sweep.study_name or self.sweep.name
         self.storage_spec = study_storage(self.sweep.storage, self.study_name)
         self.pruner = pruner_settings(self.sweep, config.eval.every_fraction)
-        self.sampler = PerTrialSeed(lambda seed: make_sampler(self.sweep, self.space, seed), self.sweep.seed)
+        self.sampler = PerTrialSeed(lambda seed: make_sampler(self.sweep, self.grid, seed), self.sweep.seed)
         self.n_trials = self.sweep.n_trials
         if self.sweep.sampler == "grid":  # each point once
-            size = math.prod(len(v) for v in grid_values(self.space).values())
+            size = math.prod(len(v) for v in self.grid().values())
             self.n_trials = min(self.n_trials or size, size)
         if self.n_trials is None and self.sweep.timeout is None:
             raise ConfigError("sweep.n_trials=null is not allowed without sweep.timeout: set either of them")
@@ -221,6 +222,10 @@ class Sweep(StudyStorage, ParentRun, Workers):
                        device_kind(config.device))
         self.space.update(found.space())
         return found
+
+    def grid(self) -> dict[str, list]:
+        """The grid sampler's points: the search space's, a frontier's own axes without the steps beyond."""
+        return {**grid_values(self.space), **(self.family.grid() if self.family else {})}
 
     def trial_overrides(self, params: dict) -> list[str]:
         """A trial's search-space point as overrides, with the width and heads of a frontier's shape."""
@@ -299,7 +304,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
             with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize()"
                 warnings.simplefilter("ignore")
                 if self.search_ended(self.study):
-                    return self.next_confirmation()
+                    found = self.next_frontier_trial()
+                    return found if found is not None else self.next_confirmation()
                 return self.study.ask(self.space)
 
     def limit_reached(self) -> str:
@@ -307,7 +313,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         ended = self.search_ended(self.study)
-        if ended and not self.confirm_seeds:
+        if ended and not self.confirm_seeds and self.after_grid() is None:
             return ended
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
@@ -321,6 +327,20 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if self.sweep.sampler == "grid" and self.sampler.inner.is_exhausted(study):
             return "every point of the grid has been run"
         return ""
+
+    def after_grid(self):
+        """A frontier's next trial after its grid (_frontier.py), as (params, user attributes), WAIT or None."""
+        if self.family is None:
+            return None
+        return next_after_grid(self.family, self.study, self.sweep.validate, self.baseline.seed)
+
+    def next_frontier_trial(self) -> optuna.Trial | None | object:
+        found = self.after_grid()
+        if found is None or found is WAIT:
+            return found
+        params, attrs = found
+        self.study.enqueue_trial(params, user_attrs=attrs)
+        return self.study.ask({key: self.space[key] for key in params})
 
     def next_confirmation(self) -> optuna.Trial | None | object:
         """The next confirmation run (_confirm.py) as a trial; WAIT while a running trial may still change
