@@ -206,6 +206,10 @@ BAD = [
     (["--multirun", "sweep=frontier", "model.depth=choice(2,4)"], "model.depth is not allowed in this search space: "
                                                                  "sweep.frontier.depths sets it"),
     (["--multirun", "sweep=frontier", "sweep.frontier.lr_scales=[]"], "sweep.frontier.lr_scales=[] is not allowed"),
+    (["--multirun", "sweep=frontier", "sweep.validate=1"], "sweep.validate=1 is not allowed: 0 (off), or at least 2 "
+                                                          "seeds"),
+    (["--multirun", "sweep=lr", "sweep.validate=3"], "sweep.validate=3 is not allowed: 0 (off), or at least 2 seeds "
+                                                     "(a comparison needs each shape's spread) on a frontier sweep"),
     (["optim.lr_scale=0"], "optim.lr_scale=0.0 is not allowed: must be positive"),
     # --multirun: a sweep's own settings are not swept
     (["--multirun", "sweep=lr,arch"], "sweep=lr,arch is not allowed: a sweep's own settings cannot be swept"),

@@ -47,6 +47,29 @@ def test_a_frontier_sweep_trains_every_shape_at_every_budget_and_records_what_th
     assert "frontier at 4 s: " in done.stdout and "frontier at 5 s: " in done.stdout
 
 
+@pytest.mark.slow
+def test_a_frontier_sweep_steps_beyond_edge_scales_then_validates_its_optimum_with_new_seeds(tmp_path):
+    """With two scales every shape's best is an end of its bracket: each trains one step beyond it, once;
+    then sweep.validate's runs, none counted toward the grid's n_trials."""
+    storage = str(tmp_path / "study.journal")
+    done = run_sweep(tmp_path / "sweep", "sweep=frontier", "sweep.frontier.depths=[1,2,3]",
+                     "sweep.frontier.lr_scales=[1.0,2.0]", "sweep.budgets=[3]", "sweep.validate=2",
+                     f"sweep.storage={storage}", "sweep.study_name=frontier")
+    trials = load(storage, "frontier").get_trials(deepcopy=False)
+    grid = [t for t in trials if not t.user_attrs.get("lr_extension") and "validate" not in t.user_attrs]
+    beyond = [t for t in trials if t.user_attrs.get("lr_extension")]
+    validated = [t for t in trials if t.user_attrs.get("validate")]
+    assert len(grid) == 6 and all(t.state == TrialState.COMPLETE for t in trials), done.stdout[-3000:]
+    best = {d: min((t for t in grid if t.params["model.depth"] == d), key=lambda t: t.value).params["optim.lr_scale"]
+            for d in (1, 2, 3)}
+    assert sorted((t.params["model.depth"], t.params["optim.lr_scale"]) for t in beyond) == [
+        (d, 4.0 if best[d] == 2.0 else 0.5) for d in (1, 2, 3)]
+    assert validated and all(f"seed={t.user_attrs['confirm_seed']}" in t.user_attrs["overrides"] for t in validated)
+    assert sorted(t.user_attrs["confirm_seed"] for t in validated) == sorted([1, 2] * (len(validated) // 2))
+    report = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "### Validation at 3 s" in report
+
+
 def test_the_family_rounds_width_to_whole_heads_and_is_sized_to_the_device():
     family = Family(depths=DEVICE_DEPTHS["cpu"], aspect_ratio=32, head_dim=32, lr_scales=[0.7, 1.4],
                     budgets=[60.0, 240.0], device="cpu")
