@@ -10,6 +10,7 @@ from optuna.trial import TrialState, create_trial
 
 from frontier.sweep_report import write_report
 from hydra_plugins.frontier_sweeper._frontier import DEVICE_DEPTHS, Family, next_after_grid
+from hydra_plugins.frontier_sweeper._objective import counted_trials
 from hydra_plugins.frontier_sweeper._workers import WAIT
 from tests.test_sweep import load, run_sweep
 
@@ -55,7 +56,8 @@ def test_a_frontier_sweep_steps_beyond_edge_scales_then_validates_its_optimum_wi
     done = run_sweep(tmp_path / "sweep", "sweep=frontier", "sweep.frontier.depths=[1,2,3]",
                      "sweep.frontier.lr_scales=[1.0,2.0]", "sweep.budgets=[3]", "sweep.validate=2",
                      f"sweep.storage={storage}", "sweep.study_name=frontier")
-    trials = load(storage, "frontier").get_trials(deepcopy=False)
+    study = load(storage, "frontier")
+    trials = study.get_trials(deepcopy=False)
     grid = [t for t in trials if not t.user_attrs.get("lr_extension") and "validate" not in t.user_attrs]
     beyond = [t for t in trials if t.user_attrs.get("lr_extension")]
     validated = [t for t in trials if t.user_attrs.get("validate")]
@@ -64,10 +66,15 @@ def test_a_frontier_sweep_steps_beyond_edge_scales_then_validates_its_optimum_wi
             for d in (1, 2, 3)}
     assert sorted((t.params["model.depth"], t.params["optim.lr_scale"]) for t in beyond) == [
         (d, 4.0 if best[d] == 2.0 else 0.5) for d in (1, 2, 3)]
-    assert validated and all(f"seed={t.user_attrs['confirm_seed']}" in t.user_attrs["overrides"] for t in validated)
-    assert sorted(t.user_attrs["confirm_seed"] for t in validated) == sorted([1, 2] * (len(validated) // 2))
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "### Validation at 3 s" in report
+    plan = study.user_attrs["validate_plan"]  # 3-s runs of tiny shapes are noisy: the fit may find no optimum
+    if plan["predicted"] is None:
+        assert not validated and f"the fit at 3 s has no optimum ({plan['problem']})" in report
+    else:
+        assert sorted((t.params["model.depth"], t.user_attrs["confirm_seed"]) for t in validated) == sorted(
+            (c["params"]["model.depth"], seed) for c in plan["configs"] for seed in (1, 2))
+        assert all(f"seed={t.user_attrs['confirm_seed']}" in t.user_attrs["overrides"] for t in validated)
 
 
 def test_the_family_rounds_width_to_whole_heads_and_is_sized_to_the_device():
@@ -145,6 +152,7 @@ def test_a_shape_best_at_an_end_of_its_bracket_trains_one_step_beyond_it_once_pe
     assert [(p["model.depth"], p["optim.lr_scale"], p["budget.seconds"]) for p, _ in asked] == [
         (1, 4.0, 60.0), (3, 0.25, 60.0), (1, 4.0, 240.0), (3, 0.25, 240.0)]
     assert all(attrs == {"lr_extension": True} for _, attrs in asked)
+    assert counted_trials(study, count_failed=True) == 5 * 3 * 2  # the grid alone counts toward n_trials
 
 
 def test_the_trials_after_the_grid_wait_for_the_grid_and_none_follow_a_bracket_that_held():
@@ -167,6 +175,7 @@ def test_validation_trains_the_predicted_shape_and_its_neighbours_at_the_longest
         (2, 1.0, 240.0, 1), (2, 1.0, 240.0, 2), (3, 0.5, 240.0, 1), (3, 0.5, 240.0, 2), (4, 1.0, 240.0, 1),
         (4, 1.0, 240.0, 2)]
     assert {a["confirm"] for _, a in validated} == {"validate depth 2", "validate depth 3", "validate depth 4"}
+    assert counted_trials(study, count_failed=True) == 5 * 3 * 2
     plan = study.user_attrs["validate_plan"]
     assert plan["predicted"] == "validate depth 3" and plan["seeds"] == [1, 2] and plan["seconds"] == 240.0
 
