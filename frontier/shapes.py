@@ -1,9 +1,11 @@
 """The compute-optimal shape of a frontier sweep (`sweep=frontier`).
 
 At each budget: every shape at its best learning-rate scale, a parabola in ln(params) through those
-points whose minimum is the optimal model size (with a bootstrap interval), the tokens that size sees
-at this device's speed, and the nearest swept shape as a command to run. With an optimum at two budgets
-or more: how the optimal size and tokens grow with the budget, extrapolated to the competition's.
+points whose minimum is the optimal model size (with an interval that carries the seeds' noise, given
+where the swept sizes bracket it), the tokens that size sees at this device's speed, and the nearest
+swept shape as a command to run. With an optimum at two budgets or more: how the optimal size and
+tokens grow with the budget, extrapolated to the competition's. With sweep.validate, whether the
+optimum held when its shape and neighbours trained again with new seeds.
 The sweep report (frontier/sweep_report.py) adds this section and its two plots to a frontier study's.
 """
 from __future__ import annotations
