@@ -506,10 +506,13 @@ def plot_frontier(fits: list[BudgetFit], title: str, path: Path) -> None:
         if found.coefficients:
             x = np.linspace(*np.log([budget.points[0].params, budget.points[-1].params]), 100)
             ax.plot(np.exp(x), np.polyval(found.coefficients, x), color=color, lw=1)
-        if found.optimum is not None:  # an interval only where the swept sizes bracket it
+        if found.interval:
             ax.errorbar([found.optimum], [found.val_bpb], xerr=error_bar(found.optimum, found.interval),
                         yerr=error_bar(found.val_bpb, found.val_bpb_interval), fmt="*", ms=14, color=color,
-                        capsize=4, label=f"{budget.seconds:g} s: optimum" + (", 95% interval" if found.interval else ""))
+                        capsize=4, label=f"{budget.seconds:g} s: optimum, 95% interval")
+        elif found.optimum is not None:  # an interval the swept sizes do not bracket is not drawn
+            ax.plot([found.optimum], [found.val_bpb], "*", ms=14, color=color,
+                    label=f"{budget.seconds:g} s: optimum (interval not bracketed)")
     ax.set_xscale("log")
     ax.set_xlabel("params")
     ax.set_ylabel("val_bpb (lower is better)")
