@@ -113,7 +113,8 @@ def validate_plan(study: optuna.Study, seeds: int, run_seed: int) -> dict:
         return plan
     at = points.index(shapes.nearest(points, found.optimum))
     plan["predicted"] = f"{VALIDATE} depth {points[at].depth}"
-    plan["configs"] = [{"label": f"{VALIDATE} depth {p.depth}", "params": {DEPTH: p.depth, LR_SCALE: p.lr_scale, BUDGET: seconds}}
+    plan["configs"] = [{"label": f"{VALIDATE} depth {p.depth}",
+                        "params": {DEPTH: p.depth, LR_SCALE: p.lr_scale, BUDGET: seconds}}
                        for p in points[max(at - 1, 0):at + 2]]
     return plan
 
