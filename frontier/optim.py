@@ -43,97 +43,9 @@ def orthogonalize(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
     return (X.mT if tall else X).reshape(G.shape)
 
 
-class Optimizer:
-    """What Frontier asks of an optimizer (param_groups, state, step, zero_grad, state_dict), with
-    torch.optim's state_dict layout. torch.optim.Optimizer's own methods import torch._dynamo when first
-    called, to guard a compilation of the step that Frontier never makes: two CPU-seconds of every run's start."""
-
-    def __init__(self, params, defaults: dict):
-        self.defaults = defaults
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.param_groups = [{**defaults, **group, "params": list(group["params"])} for group in groups]
-        self.state: dict[torch.Tensor, dict] = defaultdict(dict)
-
-    def zero_grad(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    def state_dict(self) -> dict:
-        index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [index[id(p)] for p in group["params"]]} for group in self.param_groups]
-        return {"state": {index[id(p)]: dict(state) for p, state in self.state.items()}, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """As torch.optim's: the saved groups' settings, and each parameter's state moved to its device
-        (and its dtype, but for the step count)."""
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has other parameter groups than this optimizer")
-        params = {i: p for saved_group, group in zip(saved, self.param_groups)
-                  for i, p in zip(saved_group["params"], group["params"])}
-        self.state = defaultdict(dict)
-        for i, state in state_dict["state"].items():
-            p = params[i]
-            self.state[p] = {k: v.to(p.device, v.dtype if k == "step" or not v.is_floating_point() else p.dtype)
-                             if torch.is_tensor(v) else v for k, v in state.items()}
-        for saved_group, group in zip(saved, self.param_groups):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-
-
-class AdamW(Optimizer):
-    """torch.optim.AdamW's update, step for step: its fused kernel (fused=True, on a CPU or CUDA device)
-    or its foreach form, with the same state."""
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, fused: bool = False):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused))
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            by_kind: dict[tuple, list[nn.Parameter]] = defaultdict(list)  # each call takes one device and dtype
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_kind[p.device, p.dtype].append(p)
-            for params in by_kind.values():
-                self._update(group, params)
-
-    def _update(self, group: dict, params: list[nn.Parameter]) -> None:
-        for p in params:
-            if not self.state[p]:
-                self.state[p] = {"step": torch.zeros((), dtype=torch.float32,
-                                                     device=p.device if group["fused"] else "cpu"),
-                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        grads = [p.grad for p in params]
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        steps = [self.state[p]["step"] for p in params]
-        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        torch._foreach_add_(steps, 1)
-        if group["fused"]:
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
-                                beta2=beta2, weight_decay=group["weight_decay"], eps=eps, maximize=False,
-                                grad_scale=None, found_inf=None)
-            return
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        counts = [step.item() for step in steps]
-        step_sizes = [(lr / (1 - beta1 ** n)) * -1 for n in counts]
-        denominators = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denominators, [(1 - beta2 ** n) ** 0.5 for n in counts])
-        torch._foreach_add_(denominators, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denominators, step_sizes)
-
-
-class Muon(Optimizer):
-    """Nesterov momentum, then the orthogonalised update scaled by max(1, rows/cols)^0.5."""
+class Muon(torch.optim.Optimizer):
+    """Nesterov momentum, then the orthogonalised update scaled by max(1, rows/cols)^0.5. A torch.optim
+    optimizer like any other: its state_dict, hooks and learning-rate schedulers are torch's."""
 
     def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
                  ns_steps: int = 5, coefficients: str = "polar_express", ns_dtype: torch.dtype = torch.bfloat16,
@@ -156,6 +68,10 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             by_shape: dict[torch.Size, list[nn.Parameter]] = defaultdict(list)
             for p in group["params"]:
@@ -165,7 +81,10 @@ class Muon(Optimizer):
             for shape, params in by_shape.items():
                 updates = []
                 for p in params:
-                    buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                    state = self.state[p]
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    buf = state["momentum_buffer"]
                     buf.lerp_(p.grad, 1 - mom)
                     updates.append(p.grad.lerp(buf, mom))  # Nesterov: look ahead along the momentum
                 ortho = self._orthogonalize_shared(torch.stack(updates), group["ns_steps"], group["coefficients"])
@@ -173,6 +92,7 @@ class Muon(Optimizer):
                 for p, o in zip(params, ortho):
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                     p.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
+        return loss
 
 
 def newton_schulz_dtype(setting: str, device_kind: str) -> torch.dtype:
@@ -184,9 +104,12 @@ def newton_schulz_dtype(setting: str, device_kind: str) -> torch.dtype:
 
 
 def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
-                     device_kind: str, rank: int = 0, world_size: int = 1) -> list[Optimizer]:
-    """One optimizer per algorithm; every param group remembers its base LR for the schedule."""
-    adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=device_kind in ("cuda", "cpu"))
+                     device_kind: str, rank: int = 0, world_size: int = 1) -> list[torch.optim.Optimizer]:
+    """One optimizer per algorithm, stepped together; every param group keeps its base LR as `initial_lr`,
+    which the schedule scales, as torch's LR schedulers do."""
+    # fused: one pass per tensor where torch has the kernel; elsewhere (None) torch picks its foreach form
+    fused = True if device_kind in ("cuda", "cpu") else None
+    adam = dict(betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused)
     adam_groups = [
         dict(params=groups["embedding"], lr=cfg.embedding_lr, weight_decay=0.0),
         dict(params=groups["unembedding"], lr=cfg.unembedding_lr, weight_decay=0.0),
@@ -200,10 +123,10 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
                                 eps=max(cfg.adam_eps, SCALAR_ADAM_EPS)))
     if cfg.name == "adamw":
         adam_groups.append(dict(params=groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay))
-        optimizers = [AdamW(adam_groups, **adam)]
+        optimizers = [torch.optim.AdamW(adam_groups, **adam)]
     else:
         optimizers = [
-            AdamW(adam_groups, **adam),
+            torch.optim.AdamW(adam_groups, **adam),
             Muon(groups["matrix"], lr=cfg.matrix_lr, weight_decay=cfg.weight_decay,
                  ns_steps=cfg.ns_steps, coefficients=cfg.ns_coefficients,
                  ns_dtype=newton_schulz_dtype(cfg.ns_dtype, device_kind), rank=rank, world_size=world_size),
@@ -211,13 +134,15 @@ def build_optimizers(groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] *= cfg.lr_scale
-            group["base_lr"] = group["lr"]
+            group["initial_lr"] = group["lr"]
     return optimizers
 
 
-def apply_schedule(optimizers: list[Optimizer], lr_multiplier: float, momentum: float) -> None:
+def apply_schedule(optimizers: list[torch.optim.Optimizer], lr_multiplier: float, momentum: float) -> None:
+    """The schedule at this point of the budget: set by hand, since it follows charged time, not steps
+    (torch's LambdaLR would set the same lr, initial_lr x its lambda, from a step count)."""
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * lr_multiplier
+            group["lr"] = group["initial_lr"] * lr_multiplier
             if isinstance(opt, Muon):
                 group["momentum"] = momentum

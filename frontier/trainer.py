@@ -360,11 +360,13 @@ def agreed_stop(run: Run) -> str | None:
 
 RESUMED_SUMMARY_KEYS = ("mlflow_run_id", "resumed")
 RESUME_KEYS = ("config", "model", "optimizers", "clock", "loader", "rng", "tokens_seen", "summary")
+RESUME_FORMAT = 2  # 2: torch.optim optimizers, groups keeping `initial_lr`; 1 (saved without "format"): own ones
 
 
 def save_resume(run: Run) -> None:
     """Everything needed to continue this run exactly, all at the same step: written atomically."""
     state = {
+        "format": RESUME_FORMAT,
         "config": OmegaConf.to_container(run.raw, resolve=True),
         "model": run.model.state_dict(),
         "optimizers": [opt.state_dict() for opt in run.optimizers],
@@ -422,6 +424,10 @@ def resume_point(resume: str, tracking_cfg, mmap: bool = False) -> tuple[DictCon
         raise ConfigError(f"resume={resume} is not allowed: {path} does not exist (the run wrote no checkpoint "
                           "yet, or it finished)")
     state = read_checkpoint(path, "resume=", keys=RESUME_KEYS, mmap=mmap)
+    if state.get("format", 1) != RESUME_FORMAT:
+        raise CheckpointError(f"resume={path} is not allowed: it has format {state.get('format', 1)!r}, this version "
+                              f"reads format {RESUME_FORMAT} (its optimizer state is laid out otherwise); start the "
+                              "run again without resume=")
     try:
         raw = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
     except Exception as err:  # a resume.pt of another version, or edited: its config is not this schema's

@@ -96,14 +96,34 @@ def test_resume_refuses_a_damaged_resume_pt(tmp_path, final_pt, damage, reason):
     assert f"error: resume={resume_pt} is not allowed: {reason}" in result.stderr.strip().splitlines()[-1]
 
 
-def test_resume_refuses_a_resume_pt_whose_config_is_not_this_versions(tmp_path):
+def resume_pt_of(run_dir, **state):
+    """A resume.pt holding every key a resume reads, empty but for `state`."""
     from frontier.trainer import RESUME_KEYS
 
-    run_dir = tmp_path / "run"
     run_dir.mkdir()
-    state = {key: {} for key in RESUME_KEYS}
-    state["config"] = {"model": {"depth": 2, "no_such_knob": 1}}  # a later version's, or an edited file
-    torch.save(state, run_dir / "resume.pt")
+    torch.save({**{key: {} for key in RESUME_KEYS}, **state}, run_dir / "resume.pt")
+
+
+def test_resume_refuses_a_resume_pt_of_the_earlier_optimizer_layout(tmp_path):
+    """A resume.pt saved without "format": its optimizers were not yet torch.optim's, and their groups
+    have no `initial_lr` for the schedule; refused before the run builds anything."""
+    run_dir = tmp_path / "run"
+    resume_pt_of(run_dir, config={"model": {"depth": 2}})
+    result = command_in_process("frontier.train", [f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}"])
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: resume={run_dir / 'resume.pt'} is not allowed: it has format 1, this version reads format 2 "
+        "(its optimizer state is laid out otherwise); start the run again without resume=")
+    assert sorted(path.name for path in run_dir.iterdir()) == ["resume.pt"]
+
+
+def test_resume_refuses_a_resume_pt_whose_config_is_not_this_versions(tmp_path):
+    from frontier.trainer import RESUME_FORMAT
+
+    run_dir = tmp_path / "run"
+    # a later version's config, or an edited file
+    resume_pt_of(run_dir, format=RESUME_FORMAT, config={"model": {"depth": 2, "no_such_knob": 1}})
     result = command_in_process("frontier.train", [f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}"])
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

@@ -220,8 +220,7 @@ slow = float(os.environ.get("FRONTIER_TEST_SLOW", "0"))
 if spec or slow:
     import torch
     from torch.nn.modules.module import register_module_forward_pre_hook
-
-    from frontier.optim import AdamW, Muon
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     *phase, at = spec.split(":") if spec else ["", "0"]
     twice, echo = phase[:1] == ["twice"], phase[:1] == ["echo"]
@@ -279,19 +278,9 @@ if spec or slow:
             done["steps"] += 1
             moment("between_optimizers", done["steps"])
 
-    def hooked(optimizer_class):
-        step = optimizer_class.step
-
-        def hooked_step(self, *args, **kwargs):
-            before_step(self, args, kwargs)
-            step(self, *args, **kwargs)
-            after_step(self, args, kwargs)
-
-        optimizer_class.step = hooked_step
-
     register_module_forward_pre_hook(on_forward)
-    hooked(AdamW)
-    hooked(Muon)
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
 
     if phase == "loop_end":  # as the loop's display closes: after its last look for a stop
         from frontier.progress import RunDisplay
