@@ -336,8 +336,8 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         return found.experiment_id
 
 
-# The experiment's kind, which MLflow 3's UI reads to open it on its runs (the kind it calls custom model
-# development) rather than on its GenAI tracing onboarding ("Send your first trace").
+# The experiment's kind in MLflow's terms, model training: MLflow 3 UIs that read it open the experiment on
+# its runs rather than on GenAI tracing onboarding (3.18's sidebar switch decides instead: docs/tracking.md).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 

@@ -337,8 +337,8 @@ def test_sweep_parent_with_nested_trials(tmp_path, store):
     ("no experiment", "custom_model_development"),
 ], ids=["chosen-kind-stays", "existing-experiment", "new-experiment"])
 def test_the_experiment_is_a_model_training_one_for_mlflow_s_ui(store, kind_before, kind_after):
-    """MLflow 3's UI opens an experiment without `mlflow.experimentKind` on its GenAI tracing page;
-    custom_model_development (the value its UI writes for model training) opens it on its runs."""
+    """`mlflow.experimentKind` says model training in MLflow's words (custom_model_development, the value its
+    UI writes), so that MLflow UIs that read it open the experiment on its runs, not on GenAI tracing."""
     client = MlflowClient(store)
     if kind_before != "no experiment":
         client.create_experiment("frontier", tags={} if kind_before is None else {"mlflow.experimentKind": kind_before})
