@@ -52,18 +52,11 @@ def startup_over() -> None:
 
 STARTING_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
-
-def _start_command() -> None:
-    """A command's process as it starts: the collector off until startup_over(), and Ctrl-C or SIGTERM
-    during its imports one line and exit 130."""
-    gc.disable()
-    for signum, default in STARTING_DEFAULTS.items():
-        if signal.getsignal(signum) is default:  # not one a parent chose to ignore
-            signal.signal(signum, _interrupted_while_starting)
-
-
 if _started_as_a_command():
-    _start_command()
+    gc.disable()  # until startup_over()
+    for _signum, _default in STARTING_DEFAULTS.items():
+        if signal.getsignal(_signum) is _default:  # not one a parent chose to ignore
+            signal.signal(_signum, _interrupted_while_starting)
 
 
 __all__ = ["load_for_eval"]

@@ -323,7 +323,7 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         if found is None:
             try:
                 return _retry(client.create_experiment, name, artifact_location=_artifact_location(uri, name),
-                              tags={CHARTS_VIEW_TAG: charts_view()})
+                              tags={CHARTS_VIEW_TAG: charts_view(), EXPERIMENT_KIND_TAG: MODEL_TRAINING})
             except MlflowException as err:  # a server store: another worker created it first
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -331,7 +331,15 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         if found.lifecycle_stage == "deleted":
             raise ConfigError(f"tracking.experiment={name!r} is deleted in {uri}; restore it with "
                               f"`mlflow experiments restore` or choose another name")
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made before Frontier said its kind; a kind a user chose stays
+            _retry(client.set_experiment_tag, found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
         return found.experiment_id
+
+
+# The experiment's kind in MLflow's terms, model training: MLflow 3 UIs that read it open the experiment on
+# its runs rather than on GenAI tracing onboarding (3.18's sidebar switch decides instead: docs/tracking.md).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
 
 
 # The experiment's saved view "Frontier charts": MLflow's UI lists it under Views in the run list and opens

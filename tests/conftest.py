@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import json
 import logging
@@ -44,15 +43,6 @@ from frontier.config import register_schemas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Where PYTHONDONTWRITEBYTECODE is set (container images often set it), no process writes the checkout's
-# bytecode, so each of the suite's several hundred processes compiled its modules again (a tenth of a
-# CPU-second each): compiled once here (py_compile writes whatever the flag), every process reads them.
-if sys.dont_write_bytecode:
-    import compileall
-
-    for package in ("frontier", "hydra_plugins", "kernels"):
-        compileall.compile_dir(ROOT / package, quiet=2)  # a read-only checkout: its processes compile, as before
-
 SHARED = ROOT.parent / "shared"
 
 
@@ -87,12 +77,6 @@ DATA = ROOT / ".cache" / "test-data"
 if (SHARED / "data" / "text" / "wiki_en").is_dir():
     os.environ["FRONTIER_DATA"] = str(linked_data(SHARED / "data", DATA))
 WIKI = DATA / "text" / "wiki_en"
-
-# The `python -m frontier.*` commands the tests start are forked from a process that imported their
-# libraries once (tests/zygote.py says when a command still starts a new interpreter)
-from tests import zygote  # noqa: E402
-
-zygote.install()
 
 # The suite's one tokenizer and token cache, the checkout's: pinned in every test run's data settings,
 # so that a test which moves FRONTIER_HOME reads it rather than tokenize the shards again.
@@ -152,9 +136,6 @@ def shared_study(request, tmp_path):
 
 
 register_schemas()
-# What the imports above built lives as long as the test process: frozen, the collector no longer walks it
-# at each collection (a tenth of the CPU of the tests that run in this process), as a command's start-up
-gc.freeze()
 
 
 def compose_config(overrides: list[str] = ()):

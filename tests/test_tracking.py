@@ -331,6 +331,21 @@ def test_sweep_parent_with_nested_trials(tmp_path, store):
     assert client.get_experiment_by_name("elsewhere") is None
 
 
+@pytest.mark.parametrize("kind_before, kind_after", [
+    ("genai_development", "genai_development"),  # a kind a user chose in the UI stays
+    (None, "custom_model_development"),  # an experiment made before Frontier said its kind
+    ("no experiment", "custom_model_development"),
+], ids=["chosen-kind-stays", "existing-experiment", "new-experiment"])
+def test_the_experiment_is_a_model_training_one_for_mlflow_s_ui(store, kind_before, kind_after):
+    """`mlflow.experimentKind` says model training in MLflow's words (custom_model_development, the value its
+    UI writes), so that MLflow UIs that read it open the experiment on its runs, not on GenAI tracing."""
+    client = MlflowClient(store)
+    if kind_before != "no experiment":
+        client.create_experiment("frontier", tags={} if kind_before is None else {"mlflow.experimentKind": kind_before})
+    tracking.start_parent_run(TrackingConfig(uri=store), "sweep", {}, {})
+    assert client.get_experiment_by_name("frontier").tags.get("mlflow.experimentKind") == kind_after
+
+
 def test_closing_killed_trials_runs_goes_past_a_run_it_cannot_reach(tmp_path, store):
     cfg = TrackingConfig(uri=store, experiment="sweeps")
     parent = tracking.start_parent_run(cfg, "sweep-1", {}, {})
