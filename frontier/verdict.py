@@ -26,7 +26,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 ALPHA = 0.05
 BEATS, KEEP_DEFAULTS, EQUIVALENT, UNRESOLVED = "beats", "keep_defaults", "equivalent", "unresolved"
@@ -124,9 +124,14 @@ class Verdict:
 
 def half_width(noise: float, n_a: int, n_b: int, df: int, level: float) -> float:
     """Half the two-sided (1 - level) t interval of a difference of two means of n_a and n_b runs."""
+    return t_quantile(1 - level / 2, df) * noise * math.sqrt(1 / n_a + 1 / n_b)
+
+
+@lru_cache(maxsize=4096)
+def t_quantile(q: float, df: int) -> float:
     from scipy import stats  # seconds to import: paid by a verdict, not by every sweep driver's start
 
-    return stats.t.ppf(1 - level / 2, df) * noise * math.sqrt(1 / n_a + 1 / n_b)
+    return float(stats.t.ppf(q, df))
 
 
 def judge(baseline: Sequence[float], contenders: Mapping[str, Sequence[float]], margin: float,
@@ -134,8 +139,9 @@ def judge(baseline: Sequence[float], contenders: Mapping[str, Sequence[float]], 
     """The verdict on each contender's val_bpb runs against the baseline's, for a plan of `first_blocks`
     blocks growing to at most `max_blocks`; None while the runs cannot measure a difference (no run of
     the baseline or of any contender, or no configuration with two)."""
-    ran = {label: list(values) for label, values in contenders.items() if values}
-    arms = [list(baseline), *ran.values()]
+    baseline = list(baseline)
+    ran = {label: list(values) for label, values in contenders.items() if len(values)}
+    arms = [baseline, *ran.values()]
     df = sum(len(values) for values in arms) - len(arms)
     if not baseline or not ran or df < 1:
         return None
