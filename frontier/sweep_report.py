@@ -230,14 +230,15 @@ def confirmation_lines(found: dict) -> list[str]:
         c = compared.get(r["label"])
         difference = f"{c.difference:+.4f} ({c.low:+.4f} ... {c.high:+.4f})" if c else ""
         seen = ", ".join(f"{v:.4f} ({t / 1e6:.2f}M)" if t else f"{v:.4f}" for v, t in zip(r["values"], r["tokens"]))
-        lines.append(f"| {r['label']} | {r['n']} | {_fmt(r['mean'])} | {_fmt(r['sd'])} | {difference} | {seen} | "
+        mean, sd = (f"{r[key]:.4f}" if r[key] is not None else "" for key in ("mean", "sd"))
+        lines.append(f"| {r['label']} | {r['n']} | {mean} | {sd} | {difference} | {seen} | "
                      f"{overrides} |")
     lines.append("")
     if verdict is not None:
         lines += [f"Difference = mean - the baseline's (negative is better); the seeds' pooled standard deviation "
                   f"is {verdict.noise:.4f}; intervals at level 1 - {verdict.alpha:g} / ({len(verdict.comparisons)} "
-                  f"contenders x {verdict.looks} looks); sweep.equivalence={verdict.margin:g}.", "",
-                  f"**{verdict.outcome}**: {verdict.text}.", ""]
+                  f"contenders x {verdict.looks} looks); sweep.equivalence={verdict.margin:g}. The verdict, "
+                  f"`{verdict.outcome}`, heads this report.", ""]
     return lines
 
 

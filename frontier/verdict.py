@@ -89,21 +89,22 @@ class Verdict:
     def text(self) -> str:
         """The verdict in one line: the report's headline, the sweep's last log line, MLflow's tag."""
         best, interval = self.best, self.interval_text(self.best)
-        size = abs(best.difference)
-        sign = "better" if best.difference < 0 else "worse" if best.difference > 0 else "different"
+        size = f"{abs(best.difference):.4f}"
+        apart = ("level with the defaults" if float(size) == 0 else
+                 f"{size} {'better' if best.difference < 0 else 'worse'} than the defaults")
         if self.outcome == BEATS:
-            return f"use {best.label}: it beats the defaults, {size:.4f} better ({interval})"
+            return f"use {best.label}: it beats the defaults, {size} better ({interval})"
         if self.outcome == KEEP_DEFAULTS:
             return (f"keep the defaults: every configuration the search found is worse; the best, {best.label}, is "
-                    f"{size:.4f} worse ({interval})")
+                    f"{size} worse ({interval})")
         if self.outcome == EQUIVALENT:
-            return (f"no difference that matters, keep the defaults: the best, {best.label}, is {size:.4f} {sign} "
-                    f"than the defaults, within sweep.equivalence={self.margin:g} ({interval})")
+            return (f"no difference that matters, keep the defaults: the best, {best.label}, is {apart}, within "
+                    f"sweep.equivalence={self.margin:g} ({interval})")
         seeds = self.seeds_needed
         how = ("no number of seeds would settle it" if seeds is None else
                f"about {seeds} seeds a configuration would settle it at the measured noise ({self.noise:.4f}): "
                f"run the same sweep command with sweep.confirm_max={seeds}")
-        return f"unresolved: the best, {best.label}, is {size:.4f} {sign} than the defaults ({interval}); {how}"
+        return f"unresolved: the best, {best.label}, is {apart} ({interval}); {how}"
 
     @property
     def metrics(self) -> dict[str, float]:

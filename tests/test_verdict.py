@@ -8,6 +8,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
+from frontier.sweep_report import write_report
 from frontier.verdict import ALPHA, BEATS, EQUIVALENT, KEEP_DEFAULTS, UNRESOLVED, judge
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, MAX_FAILED, block_order, extended, make_plan, next_run,
                                                      verdict_of)
@@ -139,7 +140,9 @@ def searched(values: list[float]) -> optuna.Study:
     """A study whose search ended: one complete trial per value."""
     study = optuna.create_study()
     for i, value in enumerate(values):
-        study.add_trial(create_trial(value=value, params={"optim.matrix_lr": 0.01 * (i + 1)}, distributions=SPACE))
+        lr = 0.01 * (i + 1)
+        study.add_trial(create_trial(value=value, params={"optim.matrix_lr": lr}, distributions=SPACE,
+                                     user_attrs={"overrides": ["model=tiny", f"optim.matrix_lr={lr}"]}))
     return study
 
 
@@ -163,7 +166,7 @@ def confirm(study: optuna.Study, plan: dict, value_of, stop_after: int | None = 
         study.add_trial(create_trial(state=state, value=None if key in fail else value_of(*key),
                                      params=config["params"], distributions={k: SPACE[k] for k in config["params"]},
                                      user_attrs={"confirm": config["label"], "confirm_seed": seed,
-                                                 "tokens_seen": 1000}))
+                                                 "tokens_seen": 1_250_000, "overrides": ["model=tiny", f"seed={seed}"]}))
         ran.append(key)
     return plan, ran
 
@@ -244,3 +247,40 @@ def test_a_run_that_fails_is_tried_again_once():
     _, ran = confirm(study, plan, noisy({BASELINE: 1.98, "trial 0": 2.02, "trial 1": 2.03}, 0.003), fail={failing})
     assert ran.count(failing) == MAX_FAILED and len(ran) == 6 + MAX_FAILED - 1
     assert next_run(study, plan) is None
+
+
+# -- the report: its headline is the verdict ----------------------------------------------------------
+
+
+def report_of(means: dict[str, float], sd: float, tmp_path) -> str:
+    study = searched([means["trial 0"], means["trial 1"]])
+    plan, _ = confirm(study, planned(study, 3, 4), noisy(means, sd))
+    report = write_report(study, tmp_path)
+    assert (tmp_path / "confirm.png").is_file() and report["confirmation"]["verdict"] is verdict_headline(report)
+    return report["text"]
+
+
+def verdict_headline(report: dict):
+    """The verdict whose text the report's headline gives (the one it computed)."""
+    verdict = report["confirmation"]["verdict"]
+    assert f"**Verdict**: {verdict.text}" in report["text"].split("## ")[0]  # above the first section
+    return verdict
+
+
+def test_a_report_whose_defaults_win_offers_their_command_and_no_best_trial(tmp_path):
+    text = report_of({BASELINE: 1.98, "trial 0": 2.02, "trial 1": 2.03}, 0.003, tmp_path)
+    assert "**Verdict**: keep the defaults: every configuration the search found is worse" in text
+    assert "**Best**" not in text and "```\npython -m frontier.train model=tiny\n```" in text
+    assert "| trial 0 | 3 | 2.0206 | 0.0012 | +0.0400 (+0.03" in text and "(1.25M)" in text  # each run's tokens seen beside its val_bpb
+
+
+def test_a_report_left_unresolved_says_how_to_go_on_and_offers_no_command(tmp_path):
+    text = report_of({BASELINE: 1.98, "trial 0": 1.98, "trial 1": 1.981}, 0.01, tmp_path)
+    assert "**Verdict**: unresolved: the best, trial 0" in text and "sweep.confirm_max=" in text
+    assert "**Best**" not in text and "python -m frontier.train" not in text
+
+
+def test_a_report_whose_search_wins_offers_the_winners_command(tmp_path):
+    text = report_of({BASELINE: 1.98, "trial 0": 1.94, "trial 1": 1.96}, 0.003, tmp_path)
+    assert "**Verdict**: use trial 0: it beats the defaults, 0.0400 better" in text
+    assert "```\npython -m frontier.train model=tiny optim.matrix_lr=0.01\n```" in text
