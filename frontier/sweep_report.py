@@ -251,6 +251,8 @@ def plot_confirmation(found: dict, path: Path) -> None:
     if verdict is not None and verdict.margin > 0:
         ax.axhspan(base["mean"] - verdict.margin, base["mean"] + verdict.margin, color="tab:gray", alpha=0.2,
                    label=f"baseline mean +- sweep.equivalence ({verdict.margin:g})")
+    if verdict is not None:  # an interval wholly below this line beats the defaults, wholly above loses
+        ax.axhline(base["mean"], color="black", lw=0.8, ls="--", label="baseline mean: no difference")
     for x, r in enumerate(found["rows"]):
         ax.scatter([x] * r["n"], r["values"], color="tab:blue", alpha=0.6)
         if r["mean"] is not None:
