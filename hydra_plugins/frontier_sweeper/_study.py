@@ -367,8 +367,9 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 self.stopping.set()
                 return None
             self.study.set_user_attr("confirm_plan", more)  # every driver of the study now runs the new block
-            log.info(f"after {len(plan['seeds'])} blocks, {verdict.text}; adding block {len(more['seeds'])} "
-                     f"(seed {more['seeds'][-1]}) of at most {more['max_blocks']}")
+            log.info(f"after {len(plan['seeds'])} blocks, unresolved: {verdict.best.label} is "
+                     f"{verdict.best.difference:+.4f} from the defaults ({verdict.interval_text(verdict.best)}); "
+                     f"adding block {len(more['seeds'])} (seed {more['seeds'][-1]}) of at most {more['max_blocks']}")
             plan, found = more, next_run(self.study, more)
         config, seed = found
         self.study.enqueue_trial(config["params"], user_attrs={"confirm": config["label"], "confirm_seed": seed})
@@ -386,7 +387,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 log.info(f"confirming {', '.join(c['label'] for c in plan['configs'])} in blocks of one run each, "
                          f"seeds {', '.join(map(str, plan['seeds']))}, up to {plan['max_blocks']} blocks")
             return plan
-        settings = {"max_blocks": max(self.confirm_blocks, plan.get("first_blocks", 0)),
+        first = plan.get("first_blocks", len(plan["seeds"]))  # a plan written before blocks: the seeds it had
+        settings = {"first_blocks": first, "max_blocks": max(self.confirm_blocks, first),
                     "equivalence": self.sweep.equivalence}
         if any(plan.get(key) != value for key, value in settings.items()):
             plan = {**plan, **settings}
