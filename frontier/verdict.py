@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 ALPHA = 0.05
@@ -56,7 +56,7 @@ class Verdict:
     first_blocks: int
     max_blocks: int
     alpha: float
-    sizes: list[int] = field(default_factory=list)  # the runs of each configuration, the baseline's first
+    sizes: list[int]  # the runs of each configuration, the baseline's first
 
     @property
     def looks(self) -> int:

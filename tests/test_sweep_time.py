@@ -185,7 +185,7 @@ def test_confirmation_runs_the_promised_blocks_and_resumes_after_a_kill(wiki, tm
     assert "## Where the time went" in report and (tmp_path / "b" / "report" / "confirm.png").is_file()
     assert "**Best**" not in report  # the search's best of one seed each is no answer once confirmed
     assert ("python -m frontier.train" in report.split("## ")[0]) == (not verdict.startswith("unresolved"))
-    last = [line for line in done.stdout.splitlines() if "frontier_sweeper" in line][-1]
+    last = [line for line in done.stdout.splitlines() if "[HYDRA]" in line][-1]  # the driver's log lines
     assert f"verdict: {verdict}" in last and "training share" in done.stdout
 
     from mlflow import MlflowClient
