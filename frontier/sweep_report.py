@@ -1,10 +1,11 @@
 """`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
 
-Writes report.md (the best trial and the command that reproduces it, the top-10 table, parameter
-importances, the confirmation of the best configurations against the baseline with new seeds, where
+Writes report.md (the best trial and the command that reproduces it, or once the best configurations
+were confirmed against the baseline with new seeds the verdict (frontier/verdict.py) and the command it
+recommends; the top-10 table, parameter importances, the confirmation runs, where
 the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
-importances, the confirmed configurations against the seeds' noise (confirm.png), and for
+importances, the confirmed configurations and each one's interval against the baseline (confirm.png), and for
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
 compute-optimal shape (frontier/shapes.py: frontier.png, speed.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
