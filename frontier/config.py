@@ -449,17 +449,11 @@ class SweepConfig:
     # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
     # + an evaluation allowance (default_trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
     trial_timeout: Optional[float] = None
-    # seeds each confirmed configuration is re-run with after the search: the top `confirm_top`
-    # configurations and the baseline (no search-space overrides); null: 3 for a sweep of >= 8
-    # trials, else 0 (off)
+    # blocks (a new seed each) of the `confirm_top` best and the baseline after the search; null: 3 for >= 8 trials
     confirm: Optional[int] = None
     confirm_top: int = 2  # how many of the best configurations are confirmed
-    # blocks of confirmation runs at most (one run of every confirmed configuration each): while the
-    # verdict is unresolved another block is added; null: twice the seeds of `confirm`
-    confirm_max: Optional[int] = None
-    # the val_bpb difference that does not matter: a configuration closer to the defaults than this is
-    # "no difference"; 0.002 is about one place among the competition's top ten (0.9328 ... 0.9554)
-    equivalence: float = 0.002
+    confirm_max: Optional[int] = None  # blocks at most while the verdict is unresolved; null: twice `confirm`
+    equivalence: float = 0.002  # the val_bpb difference that does not matter: ~1 place in the competition's top 10
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
     # seeds each of the predicted optimum's nearest shape and its two neighbours trains after a frontier's fit
@@ -503,11 +497,10 @@ class SweepConfig:
         _require(self.validate == 0 or (self.validate >= 2 and self.frontier is not None), "sweep.validate",
                  self.validate, "0 (off), or at least 2 seeds (a comparison needs each shape's spread) on a "
                  "frontier sweep (sweep=frontier), whose fit predicts the shape to validate")
-        starts = 3 if self.confirm is None else self.confirm
-        _require(self.confirm_max is None or self.confirm_max >= starts, "sweep.confirm_max", self.confirm_max,
-                 f"at least the {starts} blocks confirmation starts with (sweep.confirm), or null for twice that")
-        _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence,
-                 "a val_bpb difference >= 0 (0: every difference counts)")
+        first = 3 if self.confirm is None else self.confirm  # the blocks confirmation starts with
+        _require(self.confirm_max is None or self.confirm_max >= first, "sweep.confirm_max", self.confirm_max,
+                 f"at least the {first} blocks confirmation starts with (sweep.confirm), or null for twice that")
+        _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence, "a val_bpb difference >= 0")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
         if self.budgets is not None:
