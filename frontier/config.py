@@ -492,7 +492,7 @@ class SweepConfig:
         _require(self.confirm is None or self.confirm >= 0, "sweep.confirm", self.confirm,
                  "seeds per confirmed configuration: 0 (off), a positive integer, or null (3 for >= 8 trials)")
         _require(self.confirm != 1, "sweep.confirm", self.confirm,
-                 "at least 2 seeds, or a noise floor cannot be measured; 0 turns confirmation off")
+                 "at least 2 seeds, or the seeds' noise cannot be measured; 0 turns confirmation off")
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.validate == 0 or (self.validate >= 2 and self.frontier is not None), "sweep.validate",
                  self.validate, "0 (off), or at least 2 seeds (a comparison needs each shape's spread) on a "
