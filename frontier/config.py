@@ -449,11 +449,11 @@ class SweepConfig:
     # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
     # + an evaluation allowance (default_trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
     trial_timeout: Optional[float] = None
-    # seeds each confirmed configuration is re-run with after the search: the top `confirm_top`
-    # configurations and the baseline (no search-space overrides); null: 3 for a sweep of >= 8
-    # trials, else 0 (off)
+    # blocks (a new seed each) of the `confirm_top` best and the baseline after the search; null: 3 for >= 8 trials
     confirm: Optional[int] = None
     confirm_top: int = 2  # how many of the best configurations are confirmed
+    confirm_max: Optional[int] = None  # blocks at most while the verdict is unresolved; null: twice `confirm`
+    equivalence: float = 0.002  # the val_bpb difference that does not matter: ~1 place in the competition's top 10
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
     # seeds each of the predicted optimum's nearest shape and its two neighbours trains after a frontier's fit
@@ -492,11 +492,15 @@ class SweepConfig:
         _require(self.confirm is None or self.confirm >= 0, "sweep.confirm", self.confirm,
                  "seeds per confirmed configuration: 0 (off), a positive integer, or null (3 for >= 8 trials)")
         _require(self.confirm != 1, "sweep.confirm", self.confirm,
-                 "at least 2 seeds, or a noise floor cannot be measured; 0 turns confirmation off")
+                 "at least 2 seeds, or the seeds' noise cannot be measured; 0 turns confirmation off")
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.validate == 0 or (self.validate >= 2 and self.frontier is not None), "sweep.validate",
                  self.validate, "0 (off), or at least 2 seeds (a comparison needs each shape's spread) on a "
                  "frontier sweep (sweep=frontier), whose fit predicts the shape to validate")
+        first = 3 if self.confirm is None else self.confirm  # the blocks confirmation starts with
+        _require(self.confirm_max is None or self.confirm_max >= first, "sweep.confirm_max", self.confirm_max,
+                 f"at least the {first} blocks confirmation starts with (sweep.confirm), or null for twice that")
+        _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence, "a val_bpb difference >= 0")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
         if self.budgets is not None:

@@ -9,7 +9,8 @@ val_bpb, the highest CORE); runs without a `core` metric are left out, with a no
 shortens the printout, it does not change the normalisation.
 
 A configuration trained with several seeds (a sweep's confirmation runs, or runs a user repeated with
-`seed=N`) is listed again below the table, once, with the mean +- standard deviation of its val_bpb.
+`seed=N`) is listed again below the table, once, with the mean +- standard deviation of its val_bpb;
+then each sweep of the experiment whose confirmation reached a verdict (frontier/verdict.py), with it.
 """
 from __future__ import annotations
 
@@ -116,6 +117,14 @@ def seed_table(groups: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_verdicts(client: MlflowClient, experiment_id: str) -> list[str]:
+    """`sweep-NAME  outcome  text` of each sweep parent run with a confirmation verdict, newest first."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.{RUN_KIND_TAG} = 'sweep'",
+                              order_by=["attributes.start_time DESC"], max_results=1000)
+    return [f"{run.info.run_name}  {run.data.tags['verdict']}  {run.data.tags.get('verdict_text', '')}"
+            for run in runs if "verdict" in run.data.tags]
+
+
 def table(rows: list[dict], phase: int) -> str:
     header = ["#", "run"] + (["score", "core"] if phase == 2 else []) + ["val_bpb", "tokens/s", "budget",
                                                                       "differs from the best"]
@@ -204,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     groups = seed_groups(rows) if args.phase == 1 else []
     if groups:
         print(seed_table(groups[:args.top]))
+    verdicts = sweep_verdicts(client, experiment.experiment_id)
+    if verdicts:
+        print("sweeps' verdicts (the best configuration each found, confirmed against the defaults):")
+        print("\n".join(verdicts))
     return 0
 
 

@@ -220,13 +220,15 @@ def _running_with_tags(client: MlflowClient, experiment_id: str, tags: dict) -> 
 
 
 def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
-                   artifacts: Iterable[Path] = ()) -> None:
-    """Final metrics and files of a sweep, then its status (a trainer status or an MLflow one): the
+                   artifacts: Iterable[Path] = (), tags: dict | None = None) -> None:
+    """Final metrics, tags and files of a sweep, then its status (a trainer status or an MLflow one): the
     status is set even where the metrics or files were not taken (their error is raised after)."""
     client = MlflowClient(tracking_uri(tracking_cfg))
     now = _now_ms()
     try:
         _log_metrics(client, run_id, [Metric(k, float(v), now, 0) for k, v in metrics.items() if _is_number(v)])
+        for key, value in (tags or {}).items():
+            _retry(client.set_tag, run_id, key, value)
         for path in artifacts:
             _retry(client.log_artifact, run_id, str(path))
     finally:

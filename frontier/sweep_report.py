@@ -1,10 +1,11 @@
 """`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
 
-Writes report.md (the best trial and the command that reproduces it, the top-10 table, parameter
-importances, the confirmation of the best configurations against the baseline with new seeds, where
+Writes report.md (the best trial and the command that reproduces it, or once the best configurations
+were confirmed against the baseline with new seeds the verdict (frontier/verdict.py) and the command it
+recommends; the top-10 table, parameter importances, the confirmation runs, where
 the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
-importances, the confirmed configurations against the seeds' noise (confirm.png), and for
+importances, the confirmed configurations and each one's interval against the baseline (confirm.png), and for
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
 compute-optimal shape (frontier/shapes.py: frontier.png, speed.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
@@ -12,7 +13,6 @@ artifacts of the sweep's parent MLflow run. The sweeper writes the same report i
 """
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import warnings
@@ -33,6 +33,8 @@ from frontier.config import ConfigError, error_line  # noqa: E402
 from frontier.timing import PARTS as TIME_PARTS  # noqa: E402
 from frontier.study import (all_drivers_ended, damaged_journal, is_rdb, open_storage, safe_storage,  # noqa: E402
                             study_storage)
+from frontier.verdict import BEATS, EQUIVALENT, KEEP_DEFAULTS  # noqa: E402
+from hydra_plugins.frontier_sweeper._confirm import BASELINE, confirmed_runs, verdict_of  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
 USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
@@ -172,76 +174,99 @@ def leaderboard_scores(trials: list) -> dict[int, float]:
 
 
 def confirmation(study: optuna.Study) -> dict | None:
-    """The confirmation runs (sweep.confirm) by configuration: each one's values, mean and standard
-    deviation; the noise floor (the seeds' pooled standard deviation); the winner (the lowest mean
-    other than the baseline's) and whether it beats the baseline by more than two standard errors."""
+    """The confirmation runs (sweep.confirm) by configuration: each run's val_bpb and tokens seen, their
+    mean and standard deviation; the verdict (frontier/verdict.py) and the command it recommends."""
     plan = study.user_attrs.get("confirm_plan")
     if not plan:
         return None
-    values: dict[str, list[float]] = {config["label"]: [] for config in plan["configs"]}
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.user_attrs.get("confirm") in values:
-            values[t.user_attrs["confirm"]].append(t.value)
-    rows = [{"label": label, "values": v, "n": len(v), "mean": statistics.fmean(v) if v else None,
-             "sd": statistics.stdev(v) if len(v) > 1 else None,
-             "params": next(c["params"] for c in plan["configs"] if c["label"] == label)}
-            for label, v in values.items()]
-    spreads = [r["sd"] ** 2 for r in rows if r["sd"] is not None]
-    result = {"rows": rows, "seeds": plan["seeds"], "noise": math.sqrt(statistics.fmean(spreads)) if spreads else None,
-              "winner": None, "baseline": rows[0], "margin": None, "standard_error": None, "beats": None}
-    contenders = [r for r in rows[1:] if r["n"] > 1]
-    if contenders and rows[0]["n"] > 1:
-        winner = min(contenders, key=lambda r: r["mean"])
-        base = rows[0]
-        standard_error = math.sqrt(winner["sd"] ** 2 / winner["n"] + base["sd"] ** 2 / base["n"])
-        margin = base["mean"] - winner["mean"]  # lower is better
-        result.update(winner=winner, margin=margin, standard_error=standard_error,
-                      beats=margin > 2 * standard_error)
-    return result
+    runs = confirmed_runs(study, plan)
+    rows = []
+    for config in plan["configs"]:
+        values = [t.value for t in runs[config["label"]]]
+        rows.append({"label": config["label"], "values": values, "n": len(values), "params": config["params"],
+                     "tokens": [t.user_attrs.get("tokens_seen") for t in runs[config["label"]]],
+                     "mean": statistics.fmean(values) if values else None,
+                     "sd": statistics.stdev(values) if len(values) > 1 else None})
+    verdict = verdict_of(study, plan)
+    chosen = None if verdict is None else {BEATS: verdict.best.label, KEEP_DEFAULTS: BASELINE,
+                                           EQUIVALENT: BASELINE}.get(verdict.outcome)
+    command = None
+    if chosen is not None:
+        config = next(c for c in plan["configs"] if c["label"] == chosen)
+        command = "python -m frontier.train " + " ".join(configuration_overrides(study, config, runs[chosen]))
+    return {"rows": rows, "seeds": plan["seeds"], "max_blocks": plan.get("max_blocks", len(plan["seeds"])),
+            "baseline": rows[0], "verdict": verdict, "command": command}
+
+
+def configuration_overrides(study: optuna.Study, config: dict, runs: list) -> list[str]:
+    """The overrides that train a confirmed configuration: its search trial's; the baseline's, those of
+    its confirmation runs without their seed (the command's own, where none finished)."""
+    if config["label"] != BASELINE:
+        number = config.get("number", int(config["label"].removeprefix("trial ")))
+        return study.get_trials(deepcopy=False)[number].user_attrs.get("overrides", [])
+    overrides = runs[0].user_attrs.get("overrides", []) if runs else study.user_attrs.get("overrides", [])
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "seed"]
+
+
+def verdict_lines(found: dict) -> list[str]:
+    """The report's headline once a confirmation exists: the verdict, and the command it recommends."""
+    verdict = found["verdict"]
+    if verdict is None:
+        return ["**Confirmation**: not enough finished runs yet to compare the best configurations with the "
+                "defaults.", ""]
+    return [f"**Verdict**: {verdict.text}", ""] + (["```", found["command"], "```", ""] if found["command"] else [])
 
 
 def confirmation_lines(found: dict) -> list[str]:
-    seeds = ", ".join(map(str, found["seeds"]))
+    verdict = found["verdict"]
     lines = ["## Confirmed with new seeds", "",
-             f"The best configurations and the baseline (the command's own configuration), each trained again "
-             f"with seeds {seeds} at the same budget:", "",
-             "| configuration | runs | mean | sd | values | overrides |", "|---|---|---|---|---|---|"]
+             f"The best configurations and the baseline (the command's own configuration), each trained again at the "
+             f"same budget in blocks of one run each, seeds {', '.join(map(str, found['seeds']))} "
+             f"(at most {found['max_blocks']} blocks):", "",
+             "| configuration | runs | mean | sd | difference (interval) | val_bpb (tokens seen), by block | overrides |",
+             "|---|---|---|---|---|---|---|"]
+    compared = {c.label: c for c in verdict.comparisons} if verdict else {}
     for r in found["rows"]:
         overrides = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "(none)"
-        lines.append(f"| {r['label']} | {r['n']} | {_fmt(r['mean'])} | {_fmt(r['sd'])} | "
-                     f"{', '.join(f'{v:.4f}' for v in r['values'])} | {overrides} |")
+        c = compared.get(r["label"])
+        difference = f"{c.difference:+.4f} ({c.low:+.4f} ... {c.high:+.4f})" if c else ""
+        seen = ", ".join(f"{v:.4f} ({t / 1e6:.2f}M)" if t else f"{v:.4f}" for v, t in zip(r["values"], r["tokens"]))
+        mean, sd = (f"{r[key]:.4f}" if r[key] is not None else "" for key in ("mean", "sd"))
+        lines.append(f"| {r['label']} | {r['n']} | {mean} | {sd} | {difference} | {seen} | "
+                     f"{overrides} |")
     lines.append("")
-    if found["noise"] is not None:
-        lines += [f"Noise floor (the seeds' pooled standard deviation): {found['noise']:.4f}.", ""]
-    winner = found["winner"]
-    if winner is None:
-        lines += ["Not enough finished runs yet to compare the winner with the baseline.", ""]
-    elif found["beats"]:
-        lines += [f"**The {winner['label']} configuration beats the baseline**: {winner['mean']:.4f} against "
-                  f"{found['baseline']['mean']:.4f}, by {found['margin']:.4f}, more than two standard errors "
-                  f"(2 x {found['standard_error']:.4f}).", ""]
-    else:
-        lines += [f"**No winner beyond the noise**: the {winner['label']} configuration ({winner['mean']:.4f}) is "
-                  f"{found['margin']:+.4f} from the baseline ({found['baseline']['mean']:.4f}), within two standard "
-                  f"errors (2 x {found['standard_error']:.4f}).", ""]
+    if verdict is not None:
+        lines += [f"Difference = mean - the baseline's (negative is better); the seeds' pooled standard deviation "
+                  f"is {verdict.noise:.4f}; intervals at level 1 - {verdict.alpha:g} / ({len(verdict.comparisons)} "
+                  f"contenders x {verdict.looks} looks); sweep.equivalence={verdict.margin:g}. The verdict, "
+                  f"`{verdict.outcome}`, heads this report.", ""]
     return lines
 
 
 def plot_confirmation(found: dict, path: Path) -> None:
-    """Each configuration's runs and mean +- sd, over the baseline's mean +- the noise floor."""
+    """Each configuration's runs and mean; each contender's interval of the difference, drawn from the
+    baseline's mean, against the band of no difference that matters (sweep.equivalence)."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    base = found["baseline"]
-    if base["mean"] is not None and found["noise"] is not None:
-        ax.axhspan(base["mean"] - found["noise"], base["mean"] + found["noise"], color="tab:gray", alpha=0.2,
-                   label="baseline mean +- noise floor")
+    base, verdict = found["baseline"], found["verdict"]
+    compared = {c.label: c for c in verdict.comparisons} if verdict else {}
+    if verdict is not None and verdict.margin > 0:
+        ax.axhspan(base["mean"] - verdict.margin, base["mean"] + verdict.margin, color="tab:gray", alpha=0.2,
+                   label=f"baseline mean +- sweep.equivalence ({verdict.margin:g})")
+    if verdict is not None:  # an interval wholly below this line beats the defaults, wholly above loses
+        ax.axhline(base["mean"], color="black", lw=0.8, ls="--", label="baseline mean: no difference")
     for x, r in enumerate(found["rows"]):
         ax.scatter([x] * r["n"], r["values"], color="tab:blue", alpha=0.6)
         if r["mean"] is not None:
-            ax.errorbar([x + 0.15], [r["mean"]], yerr=[r["sd"] or 0.0], fmt="o", color="tab:red", capsize=4)
+            ax.plot([x + 0.15], [r["mean"]], "o", color="black")
+        c = compared.get(r["label"])
+        if c is not None:
+            ax.errorbar([x + 0.15], [base["mean"] + c.difference], capsize=5, color="tab:red", fmt="none",
+                        yerr=[[-(c.low - c.difference)], [c.high - c.difference]])
+    ax.errorbar([], [], yerr=[], color="tab:red", fmt="none", label="interval of the difference (from the baseline)")
     ax.set_xticks(range(len(found["rows"])), [r["label"] for r in found["rows"]])
     ax.set_xlim(-0.5, len(found["rows"]) - 0.5)
-    ax.set_ylabel("val_bpb (each seed; red: mean +- sd)")
-    ax.set_title("confirmed with new seeds")
+    ax.set_ylabel("val_bpb (blue: each seed; black: mean)")
+    ax.set_title(verdict.outcome.replace("_", " ") if verdict else "confirmed with new seeds")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -345,7 +370,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     elif objective == "pareto":
         lines += ["Objective: pareto, val_bpb (lower is better) and CORE (higher is better); the front is "
                   "the trials no other trial beats on both.", ""]
-    if best:
+    if confirmed:  # the verdict is the sweep's answer; "best" of one seed each is not
+        lines += verdict_lines(confirmed)
+    elif best:
         lines += [f"**Best**: trial {best['number']}, {best['text'].replace(' ', ' **', 1)}**", "", "```",
                   "python -m frontier.train " + " ".join(best["overrides"]), "```", ""]
     params = sorted({key for t in trials for key in t.params})
@@ -411,8 +438,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
             "files": files, "text": text, "confirmation": confirmed, "time": account, "frontier": shapes.summary(study)}
 
 
-def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
-    """Attach the report to the MLflow run of the sweep that last ran this study, and end that run
+def log_to_parent_run(study: optuna.Study, out_dir: Path, verdict=None) -> str | None:
+    """Attach the report (and the verdict's metrics and tags) to the MLflow run of the sweep that last
+    ran this study, and end that run
     when the sweep's last driver could not: with the status it meant (the store was down then), or
     KILLED when it meant none (it was killed, kill -9, before it could end the run)."""
     run_id, uri = study.user_attrs.get("mlflow_run_id"), study.user_attrs.get("mlflow_tracking_uri")
@@ -424,6 +452,11 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path) -> str | None:
 
     client = MlflowClient(tracking_uri=uri)
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")
+    if verdict is not None:  # the same answer as the report's, also where confirmation went on since
+        for key, value in verdict.tags.items():
+            client.set_tag(run_id, key, value)
+        for key, value in verdict.metrics.items():
+            client.log_metric(run_id, key, value)
     status = study.user_attrs.get("mlflow_run_status") or "KILLED"
     if all_drivers_ended(study) and client.get_run(run_id).info.status == "RUNNING":
         client.set_tag(run_id, "status", status)
@@ -473,7 +506,7 @@ def main(argv: list[str]) -> int:
     print(report["text"])
     print(f"files: {', '.join(str(f) for f in report['files'])}")
     try:
-        run_id = log_to_parent_run(study, out)
+        run_id = log_to_parent_run(study, out, (report["confirmation"] or {}).get("verdict"))
         if run_id:
             print(f"logged to MLflow run {run_id}")
     except Exception as err:  # the report stands without MLflow

@@ -211,6 +211,13 @@ BAD = [
     (["--multirun", "sweep=lr", "sweep.validate=3"], "sweep.validate=3 is not allowed: 0 (off), or at least 2 seeds "
                                                      "(a comparison needs each shape's spread) on a frontier sweep"),
     (["optim.lr_scale=0"], "optim.lr_scale=0.0 is not allowed: must be positive"),
+    # --multirun: confirmation's blocks and its equivalence margin
+    (["--multirun", "sweep=lr", "sweep.confirm=4", "sweep.confirm_max=3"],
+     "sweep.confirm_max=3 is not allowed: at least the 4 blocks confirmation starts with (sweep.confirm)"),
+    (["--multirun", "sweep=lr", "sweep.confirm_max=2"],
+     "sweep.confirm_max=2 is not allowed: at least the 3 blocks confirmation starts with"),
+    (["--multirun", "sweep=lr", "sweep.equivalence=-0.001"],
+     "sweep.equivalence=-0.001 is not allowed: a val_bpb difference >= 0"),
     # --multirun: a sweep's own settings are not swept
     (["--multirun", "sweep=lr,arch"], "sweep=lr,arch is not allowed: a sweep's own settings cannot be swept"),
     (["--multirun", "sweep=lr", "sweep.sampler=tpe,bogus"], "sweep.sampler=tpe,bogus is not allowed: a sweep's own "

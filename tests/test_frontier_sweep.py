@@ -171,9 +171,10 @@ def test_validation_trains_the_predicted_shape_and_its_neighbours_at_the_longest
     validated = [(p, a) for p, a in asked if "validate" in a]
     assert len(asked) - len(validated) == 4  # the steps beyond come first
     # the optimum is depth 3, best at 0.5 (0.25 beyond it did worse); its neighbours 2 and 4 at 1.0
-    assert [(p["model.depth"], p["optim.lr_scale"], p["budget.seconds"], a["confirm_seed"]) for p, a in validated] == [
-        (2, 1.0, 240.0, 1), (2, 1.0, 240.0, 2), (3, 0.5, 240.0, 1), (3, 0.5, 240.0, 2), (4, 1.0, 240.0, 1),
-        (4, 1.0, 240.0, 2)]
+    runs = [(p["model.depth"], p["optim.lr_scale"], p["budget.seconds"], a["confirm_seed"]) for p, a in validated]
+    assert sorted(runs) == [(2, 1.0, 240.0, 1), (2, 1.0, 240.0, 2), (3, 0.5, 240.0, 1), (3, 0.5, 240.0, 2),
+                            (4, 1.0, 240.0, 1), (4, 1.0, 240.0, 2)]
+    assert [seed for *_, seed in runs] == [1, 1, 1, 2, 2, 2]  # in blocks: each seed of every shape in turn
     assert {a["confirm"] for _, a in validated} == {"validate depth 2", "validate depth 3", "validate depth 4"}
     assert counted_trials(study, count_failed=True) == 5 * 3 * 2
     plan = study.user_attrs["validate_plan"]

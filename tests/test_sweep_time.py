@@ -16,6 +16,7 @@ import pytest
 from optuna.trial import TrialState
 
 from frontier import sizing
+from frontier.verdict import judge
 from frontier.study import open_storage
 from tests.conftest import ROOT, SWEEP_TINY, command_in_process, run_cli
 
@@ -137,25 +138,27 @@ def test_a_bad_confirm_is_one_sentence(tmp_path, value, why):
 
 
 @pytest.mark.slow
-def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_path, mlflow_store):
-    """Two search trials, then the best one and the baseline with two new seeds each: four runs,
-    tagged, never pruned, not counted in n_trials, in Optuna and MLflow. The driver is killed
-    (kill -9) as the first confirmation run trains; the same command runs the rest."""
+def test_confirmation_runs_the_promised_blocks_and_resumes_after_a_kill(wiki, tmp_path, mlflow_store):
+    """Two search trials, then the best one and the baseline in blocks of one run each with a new seed:
+    two blocks, and a third only if the verdict after two is unresolved; tagged, never pruned, not counted
+    in n_trials, in Optuna and MLflow. The driver is killed (kill -9) as the first confirmation run
+    trains; the same command runs the rest. The verdict is the driver's last line, the report's
+    headline and the parent run's tag."""
     storage, store = str(tmp_path / "study.journal"), mlflow_store
-    args = ["sweep=lr", "sweep.n_trials=2", "sweep.confirm=2", "sweep.confirm_top=1", "sweep.pruner=median",
-            f"sweep.storage={storage}", "sweep.study_name=confirm", "tracking.enabled=true",
+    args = ["sweep=lr", "sweep.n_trials=2", "sweep.confirm=2", "sweep.confirm_max=3", "sweep.confirm_top=1",
+            "sweep.pruner=median", f"sweep.storage={storage}", "sweep.study_name=confirm", "tracking.enabled=true",
             f"tracking.uri={store}", "budget.max_steps=8"]
     command = [sys.executable, "-m", "frontier.train", "--multirun", *TINY, *args, f"hydra.sweep.dir={tmp_path / 'a'}"]
     driver, seen = start_until(command, "(confirmation: ")
     driver.kill()
     driver.wait(timeout=60)
-    assert any("(confirmation: baseline, seed=1338)" in line for line in seen), "".join(seen)[-3000:]
+    assert "seed=1338)" in seen[-1], "".join(seen)[-3000:]  # the first block first
     deadline = time.time() + 60  # the standby process and the running trial see their driver gone
     while time.time() < deadline and _frontier_processes(tmp_path / "a"):
         time.sleep(1)
     assert not _frontier_processes(tmp_path / "a")
 
-    done = subprocess.run(command[:-1] + [f"hydra.sweep.dir={tmp_path / 'b'}"], cwd=ROOT, text=True, timeout=600,
+    done = subprocess.run(command[:-1] + [f"hydra.sweep.dir={tmp_path / 'b'}"], cwd=ROOT, text=True, timeout=900,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode == 0, done.stdout[-3000:]
     trials = trials_of(storage, "confirm")
@@ -163,17 +166,27 @@ def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_
     confirmed = [t for t in trials if "confirm" in t.user_attrs and t.state == TrialState.COMPLETE]
     assert len(search) == 2  # n_trials counts the search only
     best = min((t for t in search if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    label = f"trial {best.number}"
+    two = judge([t.value for t in confirmed if t.user_attrs["confirm"] == "baseline"][:2],
+                {label: [t.value for t in confirmed if t.user_attrs["confirm"] == label][:2]}, 0.002, 2, 3)
+    seeds = [1338, 1339, 1340] if two.outcome == "unresolved" else [1338, 1339]
     pairs = sorted((t.user_attrs["confirm"], t.user_attrs["confirm_seed"]) for t in confirmed)
-    assert pairs == [("baseline", 1338), ("baseline", 1339), (f"trial {best.number}", 1338),
-                     (f"trial {best.number}", 1339)]  # exactly the promised runs, each once
+    assert pairs == sorted((name, seed) for name in ("baseline", label) for seed in seeds)  # each run once
+    assert [t.user_attrs["confirm_seed"] for t in confirmed] == sorted(t.user_attrs["confirm_seed"] for t in confirmed)
     assert all(t.params == best.params for t in confirmed if t.user_attrs["confirm"] != "baseline")
     assert all(not t.params for t in confirmed if t.user_attrs["confirm"] == "baseline")
     assert all(t.intermediate_values and "prune_reason" not in t.user_attrs for t in confirmed)
-    assert all(f"seed={t.user_attrs['confirm_seed']}" in t.user_attrs["overrides"] for t in confirmed)
+    assert all(f"seed={t.user_attrs['confirm_seed']}" in t.user_attrs["overrides"] and t.user_attrs["tokens_seen"]
+               for t in confirmed)
     report = (tmp_path / "b" / "report" / "report.md").read_text()
-    assert "## Confirmed with new seeds" in report and "Noise floor" in report and "## Where the time went" in report
-    assert (tmp_path / "b" / "report" / "confirm.png").is_file()
-    assert "confirmed: the trial" in done.stdout and "training share" in done.stdout
+    headline = next(line for line in report.splitlines() if line.startswith("**Verdict**: "))
+    verdict = headline.removeprefix("**Verdict**: ")
+    assert "## Confirmed with new seeds" in report and "pooled standard deviation" in report
+    assert "## Where the time went" in report and (tmp_path / "b" / "report" / "confirm.png").is_file()
+    assert "**Best**" not in report  # the search's best of one seed each is no answer once confirmed
+    assert ("python -m frontier.train" in report.split("## ")[0]) == (not verdict.startswith("unresolved"))
+    last = [line for line in done.stdout.splitlines() if "[HYDRA]" in line][-1]  # the driver's log lines
+    assert f"verdict: {verdict}" in last and "training share" in done.stdout
 
     from mlflow import MlflowClient
 
@@ -183,8 +196,10 @@ def test_confirmation_runs_the_promised_runs_and_resumes_after_a_kill(wiki, tmp_
     assert {f"trial-{t.number} confirm {t.user_attrs['confirm']} seed={t.user_attrs['confirm_seed']}"
             for t in confirmed} <= names
     parent = next(r for r in runs if r.info.run_name == "sweep-confirm")
-    assert {"baseline_mean", "confirmed_winner_mean", "noise_floor", "winner_beats_baseline",
+    assert {"baseline_mean", "confirmed_winner_mean", "confirmed_difference", "confirmed_low", "confirmed_high",
             "training_share"} <= set(parent.data.metrics)
+    assert parent.data.tags["verdict_text"] == verdict
+    assert parent.data.tags["verdict"] in ("beats", "keep_defaults", "equivalent", "unresolved")
 
 
 @pytest.mark.slow
@@ -292,3 +307,27 @@ def test_the_leaderboard_gives_a_configuration_run_with_several_seeds_its_mean_a
     groups = out[out.index("configurations trained with several seeds (val_bpb mean +- sd, best mean first):") + 1:]
     assert groups == ["1  1.9500 +- 0.0141  2 seeds  (best)",
                       "2  2.0200 +- 0.0141  2 seeds  optim.matrix_lr=0.04"]
+
+
+def test_the_leaderboard_gives_each_sweep_its_verdict(tmp_path, capsys, mlflow_store):
+    """A sweep's parent run is no row of the table; its confirmation's verdict is listed below it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from frontier import leaderboard
+    from frontier.store import RUN_KIND_TAG
+
+    client = MlflowClient(mlflow_store)
+    experiment = client.create_experiment("verdicts", artifact_location=(tmp_path / "artifacts").as_uri())
+    text = "keep the defaults: every configuration the search found is worse; the best, trial 3, is 0.0332 worse"
+    for name, tags in (("sweep-showcase", {"verdict": "keep_defaults", "verdict_text": text}), ("sweep-lr", {})):
+        run = client.create_run(experiment, run_name=name, tags={RUN_KIND_TAG: "sweep", **tags})
+        client.set_terminated(run.info.run_id, "FINISHED")
+    trial = client.create_run(experiment, run_name="trial-3")
+    client.log_batch(trial.info.run_id, metrics=[Metric("val_bpb", 2.0192, 0, 0)])
+    client.set_terminated(trial.info.run_id, "FINISHED")
+    assert leaderboard.main([f"tracking.uri={mlflow_store}", "experiment=verdicts"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["sweeps' verdicts (the best configuration each found, confirmed against the defaults):",
+                        f"sweep-showcase  keep_defaults  {text}"]
+    assert sum("trial-3" in line for line in out) == 1 and not any(line.startswith("2  ") for line in out)

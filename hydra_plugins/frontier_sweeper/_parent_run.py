@@ -78,8 +78,9 @@ class ParentRun:
                     # the run is ended KILLED by sweep_report
                     self.study.set_user_attr("mlflow_run_status", None)
 
-    def end_tracking(self, status: str, metrics: dict, artifacts: list) -> None:
-        """The last driver of the study to stop ends its parent run; earlier ones leave it running."""
+    def end_tracking(self, status: str, metrics: dict, artifacts: list, tags: dict | None = None) -> None:
+        """The last driver of the study to stop ends its parent run (with the confirmation's `verdict`
+        tags, frontier/verdict.py); earlier ones leave it running."""
         self.close_trial_runs([])  # the runs the store could not close before
         try:
             with self.locked():
@@ -101,7 +102,7 @@ class ParentRun:
 
         try:
             store.end_parent_run(OmegaConf.to_object(self.config.tracking), self.parent_run_id, status,
-                                    metrics, artifacts)
+                                    metrics, artifacts, tags)
         except Exception as err:
             log.warning(f"could not end the sweep's MLflow run {self.parent_run_id} ({error_line(err)}); "
                         f"once the tracking store answers, {self.redo()} attaches the report and ends it "

@@ -32,8 +32,8 @@ import frontier
 from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
-from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
-                                                     search_running, seeds_per_configuration)
+from hydra_plugins.frontier_sweeper._confirm import (blocks_at_most, confirmation_running, extended, make_plan,
+                                                     next_run, search_running, seeds_per_configuration, verdict_of)
 from hydra_plugins.frontier_sweeper._frontier import (BUDGET, Family, check_fits, check_space, family,
                                                       next_after_grid)
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
@@ -173,6 +173,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
                                   f"{'sweep.objective=pareto' if not several_budgets else 'several sweep.budgets'}: "
                                   f"{why}; add sweep.confirm=0")
             self.confirm_seeds = 0
+        self.confirm_blocks = blocks_at_most(self.sweep.confirm_max, self.confirm_seeds)
         self.check_composes(config_loader)
         if self.launched is not None and not self.launched.local:  # the scheduler gives each job its devices
             self.slots = [Slot(f"{self.launched.name} job", {}) for _ in range(self.sweep.n_jobs)]
@@ -344,31 +345,55 @@ class Sweep(StudyStorage, ParentRun, Workers):
 
     def next_confirmation(self) -> optuna.Trial | None | object:
         """The next confirmation run (_confirm.py) as a trial; WAIT while a running trial may still change
-        what is to be confirmed or run the last ones; None (the sweep stops) once all are done."""
+        what is to be confirmed or run the last ones; once the plan's blocks have all run, one more block
+        while the verdict is unresolved and the plan may grow, else None (the sweep stops)."""
         if search_running(self.study):
             return WAIT
         ended = self.search_ended(self.study)
-        plan = self.study.user_attrs.get("confirm_plan")
+        plan = self.confirm_plan()
         if plan is None:
-            plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.baseline.seed)
-            if plan is None:
-                self.stop_reason = f"{ended}; none finished, so none is confirmed"
-                self.stopping.set()
-                return None
-            self.study.set_user_attr("confirm_plan", plan)
-            log.info(f"confirming {', '.join(c['label'] for c in plan['configs'])} with seeds "
-                     f"{', '.join(map(str, plan['seeds']))}")
+            self.stop_reason = f"{ended}; none finished, so none is confirmed"
+            self.stopping.set()
+            return None
         found = next_run(self.study, plan)
         if found is None:
             if confirmation_running(self.study):
                 return WAIT
-            self.stop_reason = (f"{ended}; the best {len(plan['configs']) - 1} and the {BASELINE} are confirmed with "
-                                f"{len(plan['seeds'])} seeds each")
-            self.stopping.set()
-            return None
+            verdict = verdict_of(self.study, plan)
+            more = extended(plan, verdict)
+            if more is None:
+                self.stop_reason = (f"{ended}; confirmed in {len(plan['seeds'])} blocks: "
+                                    f"{verdict.outcome if verdict else 'no runs to compare'}")
+                self.stopping.set()
+                return None
+            self.study.set_user_attr("confirm_plan", more)  # every driver of the study now runs the new block
+            log.info(f"after {len(plan['seeds'])} blocks, unresolved: {verdict.best.label} is "
+                     f"{verdict.best.difference:+.4f} from the defaults ({verdict.interval_text(verdict.best)}); "
+                     f"adding block {len(more['seeds'])} (seed {more['seeds'][-1]}) of at most {more['max_blocks']}")
+            plan, found = more, next_run(self.study, more)
         config, seed = found
         self.study.enqueue_trial(config["params"], user_attrs={"confirm": config["label"], "confirm_seed": seed})
         return self.study.ask({key: self.space[key] for key in config["params"]})
+
+    def confirm_plan(self) -> dict | None:
+        """The study's plan, made by the first driver to get here; a later command's sweep.confirm_max
+        and sweep.equivalence replace the plan's (so a run again with a larger confirm_max confirms on)."""
+        plan = self.study.user_attrs.get("confirm_plan")
+        if plan is None:
+            plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.confirm_blocks,
+                             self.baseline.seed, self.sweep.seed, self.sweep.equivalence)
+            if plan is not None:
+                self.study.set_user_attr("confirm_plan", plan)
+                log.info(f"confirming {', '.join(c['label'] for c in plan['configs'])} in blocks of one run each, "
+                         f"seeds {', '.join(map(str, plan['seeds']))}, up to {plan['max_blocks']} blocks")
+            return plan
+        first = plan.get("first_blocks", len(plan["seeds"]))  # a plan written before blocks: the seeds it had
+        settings = {"first_blocks": first, "max_blocks": max(self.confirm_blocks, first),
+                    "equivalence": self.sweep.equivalence}
+        if any(plan.get(key) != value for key, value in settings.items()):
+            plan = {**plan, **settings}
+            self.study.set_user_attr("confirm_plan", plan)
+        return plan
 
     def run(self) -> dict:
         self.heartbeat.start()
@@ -483,7 +508,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
         except Exception as err:
             log.warning(f"could not write the report ({store_error_line(err)}); write it with "
                         f"{self.redo(out)}")
-        if report.get("best"):
+        confirmed = report.get("confirmation")
+        if report.get("best") and not confirmed:  # a confirmation's verdict is the answer (below)
             best = report["best"]
             log.info(f"best: trial {best['number']}, {best['text']}: "
                      f"python -m frontier.train {' '.join(best['overrides'])}")
@@ -508,18 +534,14 @@ class Sweep(StudyStorage, ParentRun, Workers):
             log.info(f"frontier at {seconds:g} s: the optimum is {fit['optimum_params']:,.0f} parameters "
                      f"({interval}), predicted val_bpb {fit['val_bpb']:.4f}; the nearest shape: "
                      f"{fit['command']}")
-        confirmed = report.get("confirmation") or {}
-        if confirmed.get("winner"):
-            winner, base = confirmed["winner"], confirmed["baseline"]
-            metrics.update(confirmed_winner_mean=winner["mean"], confirmed_winner_sd=winner["sd"],
-                           baseline_mean=base["mean"], baseline_sd=base["sd"], noise_floor=confirmed["noise"],
-                           winner_beats_baseline=float(confirmed["beats"]))
-            verdict = "beats the baseline beyond the noise" if confirmed["beats"] else "does not beat the baseline beyond the noise"
-            log.info(f"confirmed: the {winner['label']} configuration ({winner['mean']:.4f} +- {winner['sd']:.4f}) "
-                     f"{verdict} ({base['mean']:.4f} +- {base['sd']:.4f})")
+        verdict = (confirmed or {}).get("verdict")
+        if verdict is not None:
+            metrics.update(verdict.metrics)
         self.ended.set()
         self.heartbeat.join()  # a beat in flight must not land after the record that this driver ended
-        self.end_tracking(status, metrics, report["files"])
+        self.end_tracking(status, metrics, report["files"], verdict.tags if verdict else {})
+        if verdict is not None:  # the sweep's answer, its last line
+            log.info(f"verdict: {verdict.text}" + (f": {confirmed['command']}" if confirmed["command"] else ""))
         return report
 
     def redo(self, out: Path | None = None) -> str:
