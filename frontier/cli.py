@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import frontier
 from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, check_arguments, check_composed, check_shown,
-                              explain_failure, logging_refused, one_sentence, raised_in, refused_path)
+                              explain_failure, logging_refused, one_sentence, raised_in, refused_path, traced)
 from frontier.config import ConfigError, register_schemas
 from frontier.paths import unwritable  # noqa: F401  bench takes it from here
 
@@ -212,8 +212,10 @@ SEARCH_PATH_MISSING = r"provider=hydra\.searchpath in .* is not available"
 
 
 def composing_error(err: Exception) -> bool:
-    """An error Hydra raises as it composes a config: explained by composing again."""
-    return isinstance(err, (HydraException, OmegaConfBaseException, yaml.YAMLError, UserWarning))
+    """An error Hydra raised as it composed a config (OmegaConf asserts on some overrides): explained by
+    composing again."""
+    return isinstance(err, (HydraException, OmegaConfBaseException, yaml.YAMLError, UserWarning)) \
+        or any(code.co_name == "load_configuration" for code in traced(err))
 
 
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:
