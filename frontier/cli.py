@@ -131,17 +131,15 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
             register_schemas()  # the `frontier_schema` the primary config builds on
             args = None
             try:
-                try:
-                    args = check_arguments(sys.argv[1:])
-                    if args.cfg:
-                        check_shown(primary_dir(task, config_path, args), args.config_name or config_name, args)
-                    with hydra_raises():
-                        return hydra_main()
-                except Refused as refused:
-                    raise refused.error from None
-            except Exception as err:
+                args = check_arguments(sys.argv[1:])
+                if args.cfg:
+                    check_shown(primary_dir(task, config_path, args), args.config_name or config_name, args)
+                with hydra_raises():
+                    return hydra_main()
+            except (Exception, Refused) as raised:
+                err = raised.error if isinstance(raised, Refused) else raised
                 if not is_mistake(err, task, user_errors) or _interrupted.is_set():
-                    raise  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
+                    raise err  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
                 why = None
                 if args is not None and composing_error(err):
                     why = explain_failure(err, primary_dir(task, config_path, args), args.config_name or config_name,

@@ -244,8 +244,10 @@ def check_composed(cfg: DictConfig, loader: ConfigLoader,
     """The config Hydra composed for a run or a multirun, checked before Hydra writes anything: every run it
     describes (each point of a --multirun grid) built into its typed config with every range check, and the
     task's own `check(cfg, overrides)` of what running needs; its run or sweep directory can be created."""
-    app = Composer(loader, cfg.hydra.job.config_name, searchpath(cfg.hydra.overrides.hydra))
-    overrides = [parse_override(line) for line in cfg.hydra.overrides.task]
+    hydra_lines, task_lines = (OmegaConf.to_container(cfg.hydra.overrides[kind], resolve=False)  # as Hydra reads them
+                               for kind in ("hydra", "task"))
+    app = Composer(loader, cfg.hydra.job.config_name, searchpath(hydra_lines))
+    overrides = [parse_override(line) for line in task_lines]
     if cfg.hydra.mode == RunMode.RUN:
         check_run(app, cfg, overrides, check)
         check_writable(cfg, "hydra.run.dir")
@@ -266,7 +268,7 @@ def check_composed(cfg: DictConfig, loader: ConfigLoader,
     if cfg.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides' values;
         sweeper = cfg.hydra.sweeper.get("_target_", "")
         if sweeper != FRONTIER_SWEEPER:  # another sweeper would run the base config, the search dropped
-            chosen = next((line for line in cfg.hydra.overrides.hydra if line.startswith("hydra/sweeper=")), sweeper)
+            chosen = next((line for line in hydra_lines if line.startswith("hydra/sweeper=")), sweeper)
             raise ConfigError(f"{chosen} is not allowed with sweep={cfg.sweep.name}: only the frontier "
                               "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
                               "another would train the base config and drop the search space")
