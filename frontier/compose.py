@@ -172,10 +172,6 @@ def parse_override(arg: str) -> Override:
                       f"spaces, = or brackets in quotes); grammar: {GRAMMAR}")
 
 
-def is_multirun(args) -> bool:
-    return args.multirun or any(arg.replace(" ", "") == "hydra.mode=MULTIRUN" for arg in args.overrides)
-
-
 def explain_failure(err: Exception, config_dir: str, config_name: str, args) -> Optional[str]:
     """Why Hydra could not compose this command line, in one sentence naming the override at fault; None
     where the command line composes (the error came from elsewhere). Hydra's own error names neither the
@@ -184,7 +180,7 @@ def explain_failure(err: Exception, config_dir: str, config_name: str, args) -> 
         overrides = [parse_override(arg) for arg in args.overrides]  # a line Hydra cannot read, by its own words
         if isinstance(err, UserWarning):  # Hydra's warning of a search path that is not there, made an error
             check_search_path(str(err), overrides)
-        multirun = is_multirun(args)
+        multirun = args.multirun or any(arg.replace(" ", "") == "hydra.mode=MULTIRUN" for arg in args.overrides)
         if not multirun:
             check_not_swept(overrides)
         with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
@@ -215,6 +211,7 @@ def check_shown(config_dir: str, config_name: str, args) -> None:
     """--cfg prints the config Hydra composes, and Hydra has no hook between the two: the config it shows is
     composed here first and checked against the schema (not what running needs of this machine, its data)."""
     overrides = [parse_override(arg) for arg in args.overrides]
+    check_not_swept(overrides)  # --cfg shows one run's config
     with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
         cfg = app.composed(overrides, lambda lines: app.load(lines, RunMode.RUN))
         check_run(app, cfg, overrides, None)
