@@ -196,6 +196,8 @@ def explain_failure(err: Exception, config_dir: str, config_name: str, args) -> 
             culprit = app.culprit(overrides, lambda lines: app.load(lines, mode))
     except ConfigError as mistake:
         return str(mistake)
+    except Exception:  # the command line does not compose as hydra.main set it up: Hydra's own words then
+        return None
     return culprit[1] if culprit is not None else None
 
 
@@ -341,7 +343,7 @@ class Composer:
 
     def primary_configs(self) -> list[str]:
         """The config names --config-name can take (Hydra's placeholder and the bare schema left out)."""
-        names = self.loader.get_group_options("", results_filter=ObjectType.CONFIG)
+        names = self.loader.get_group_options("", results_filter=ObjectType.CONFIG, overrides=self.lines)
         return [name for name in names if not name.startswith("_") and name != SCHEMA_NAME]
 
     def options(self, group: str) -> list[str]:
@@ -421,10 +423,13 @@ def composer(config_dir: str, config_name: str, overrides: list[str],
     """Hydra initialized through its compose API as hydra.main initializes it for a command line:
     `config_dir` holds the primary config (--config-path), `extra_dir` is --config-dir."""
     lines = searchpath(overrides)
-    if extra_dir is not None:  # hydra.main adds it to the search path, as a searchpath entry does
-        entry = f"file://{os.path.abspath(extra_dir)}"
+    if extra_dir is not None:  # hydra.main searches it after the primary config's folder, as a searchpath entry
+        dirs = [os.path.abspath(config_dir), os.path.abspath(extra_dir)]
+        if not os.path.isfile(os.path.join(dirs[0], f"{config_name}.yaml")):  # the primary config is its own
+            dirs.reverse()
         given = [o.value() for o in map(parse_override, lines) if isinstance(o.value(), list)]
-        lines = [f"hydra.searchpath=[{','.join([entry, *(given[-1] if given else [])])}]"]
+        lines = [f"hydra.searchpath=[{','.join([f'file://{dirs[1]}', *(given[-1] if given else [])])}]"]
+        config_dir = dirs[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
