@@ -28,12 +28,14 @@ import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import frontier
-from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, check_arguments, check_composed, check_shown,
-                              explain_failure, logging_refused, one_sentence, raised_in, refused_path, traced)
+from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, check_arguments, check_composed, check_not_swept,
+                              check_run, composer, explain_failure, logging_refused, one_sentence, parse_override,
+                              raised_in, refused_path, traced)
 from frontier.config import ConfigError, register_schemas
 from frontier.paths import unwritable  # noqa: F401  bench takes it from here
 
@@ -157,6 +159,25 @@ def primary_dir(task: Callable, config_path: str, args) -> str:
     """The primary config's folder: --config-path, or the task's; a relative one beside the task's module."""
     path = args.config_path if args.config_path is not None else config_path
     return os.path.join(os.path.dirname(inspect.getfile(task)), path)
+
+
+def check_shown(config_dir: str, config_name: str, args) -> None:
+    """--cfg prints the config Hydra composes, and Hydra has no hook between the two: the config it shows is
+    composed here first and checked against the schema (not what running needs of this machine, its data)."""
+    overrides = [parse_override(arg) for arg in args.overrides]
+    check_not_swept(overrides)  # --cfg shows one run's config
+    with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
+        cfg = app.composed(overrides, lambda lines: app.load(lines, RunMode.RUN))
+        check_run(app, cfg, overrides, None)
+    if args.package not in (None, "_global_"):
+        top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
+        shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
+        try:
+            found = OmegaConf.select(cfg, args.package) is not None
+        except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
+            found = True
+        if not shown or not found:
+            raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
 
 
 class Checks(Callback):

@@ -209,25 +209,6 @@ def check_not_swept(overrides: list[Override]) -> None:
                               "is key=[a,b])")
 
 
-def check_shown(config_dir: str, config_name: str, args) -> None:
-    """--cfg prints the config Hydra composes, and Hydra has no hook between the two: the config it shows is
-    composed here first and checked against the schema (not what running needs of this machine, its data)."""
-    overrides = [parse_override(arg) for arg in args.overrides]
-    check_not_swept(overrides)  # --cfg shows one run's config
-    with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
-        cfg = app.composed(overrides, lambda lines: app.load(lines, RunMode.RUN))
-        check_run(app, cfg, overrides, None)
-    if args.package not in (None, "_global_"):
-        top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
-        shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
-        try:
-            found = OmegaConf.select(cfg, args.package) is not None
-        except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
-            found = True
-        if not shown or not found:
-            raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
-
-
 def run_config(config_dir: str, overrides: list[str], config_name: str = "config") -> Config:
     """One run's typed config as Hydra's compose API composes it, for a command that takes the trainer's
     overrides (frontier.bench, frontier.model_card): a mistake is a ConfigError naming the override."""
@@ -354,11 +335,8 @@ class Composer:
         return bool(name) and name in self._options(parent, ObjectType.GROUP)
 
     def _options(self, group: str, kind: ObjectType) -> list[str]:
-        try:
-            return self.loader.get_group_options(group, results_filter=kind, config_name=self.config_name,
-                                                 overrides=self.lines)
-        except Exception:  # the primary config does not load: its search path alone
-            return self.loader.get_group_options(group, results_filter=kind)
+        return self.loader.get_group_options(group, results_filter=kind, config_name=self.config_name,
+                                             overrides=self.lines)
 
     def explain(self, override: Override, err: Exception, before: DictConfig) -> str:
         """Why `override` does not compose onto `before`, in words."""
