@@ -31,7 +31,8 @@ from rich.table import Table
 
 import kernels
 from frontier import bench_results, paths
-from frontier.cli import check_command_line, command, print_help_if_asked, unwritable
+from frontier.cli import command, print_help_if_asked, unwritable
+from frontier.compose import run_config
 from frontier.config import ConfigError, error_line, register_schemas, to_config
 from frontier.device import DTYPES, matmul_rate, measure_matmul_flops, resolve_device
 
@@ -99,8 +100,7 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str]]:
     overrides = [a for a in argv if not a.startswith("bench.")]
     for model in bench.models:  # every pair a valid run, found before anything is measured
         for kernel in bench.kernels:
-            check_command_line(main, str(paths.conf_dir()), "config",
-                               [f"model={model}", f"kernel={kernel}", *overrides])
+            run_config(str(paths.conf_dir()), [f"model={model}", f"kernel={kernel}", *overrides])
     return bench, overrides
 
 

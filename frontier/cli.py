@@ -1,39 +1,41 @@
 """Hydra's command line with a user's mistake as one sentence: `error: KEY=VALUE is not allowed: ...`,
 exit code 2, no traceback, and nothing written.
 
-`@frontier.cli.main(config_path=..., config_name=...)` replaces `@hydra.main`. Before Hydra runs,
-and so before it creates outputs/ or multirun/ or the task opens a store or reads data, the
-command line is parsed and composed as Hydra will compose it (frontier.compose), and every run it describes (each
+`@frontier.cli.main(config_path=..., config_name=...)` replaces `@hydra.main`; Hydra composes the config
+once. The `Checks` callback the primary config names (hydra.callbacks) checks what Hydra composed, before
+Hydra creates outputs/ or multirun/ or the task opens a store or reads data: every run it describes (each
 point of a `--multirun` grid) is built into its typed config with every range check
-(frontier.config.to_config). Whatever Hydra, OmegaConf or a ConfigError still raises later (the
-sweeper's own checks, for one) outside the task function is turned into one sentence as well.
-`--cfg` shows a config that passes the schema's checks (not what running needs of this machine, such
-as its data); --help and --info are passed to Hydra unchecked.
+(frontier.compose.check_composed). What Hydra, OmegaConf or a ConfigError raises outside the task function
+is turned into one sentence; a composition Hydra refused is explained by composing again, on that failure
+path only. `--cfg` shows a config that passes the schema's checks (not what running needs of this machine,
+such as its data); --help and --info are passed to Hydra unchecked.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import signal
 import sys
 import threading
-import unittest.mock
+import warnings
 from typing import Any, Callable, NoReturn, Optional
 
 import hydra
+import hydra.utils
 import yaml
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.hydra import Hydra
-from hydra.core.override_parser.types import Override
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import frontier
-from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, Composed, check_command_line, logging_refused,
-                              one_sentence, raised_in, refused_path)
+from frontier.compose import (NAME_ERRORS, PATH_SHAPE_ERRORS, check_arguments, check_composed, check_not_swept,
+                              check_run, composer, explain_failure, logging_refused, one_sentence, parse_override,
+                              raised_in, refused_path, traced)
 from frontier.config import ConfigError, register_schemas
 from frontier.paths import unwritable  # noqa: F401  bench takes it from here
 
@@ -115,12 +117,10 @@ def _take_signals() -> dict:
     return taken
 
 
-def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple,
-         check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Callable:
+def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[type[Exception], ...]] = tuple) -> Callable:
     """`hydra.main` whose user mistakes are one sentence and exit code 2. `user_errors()` gives the
-    task's own mistake types (a --multirun job that raises one ends the command the same way; a
-    function, so that they are imported only when needed); `check(cfg, overrides)`, the task's own
-    side-effect-free checks of one composed run and the overrides that made it, is done before Hydra runs."""
+    task's own mistake types (a --multirun job that raises one ends the command the same way, as does a
+    check of the `Checks` callback; a function, so that they are imported only when needed)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable:
         hydra_main = hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)
@@ -131,15 +131,23 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
             if cfg_passthrough is not None:  # called as a function, as hydra.main allows
                 return task(cfg_passthrough)
             register_schemas()  # the `frontier_schema` the primary config builds on
+            args = None
             try:
-                composed = check_command_line(task, config_path, config_name, sys.argv[1:], check)
-                with hydra_raises(), composed_once(composed):
+                args = check_arguments(sys.argv[1:])
+                if args.cfg:
+                    check_shown(primary_dir(task, config_path, args), args.config_name or config_name, args)
+                with hydra_raises():
                     return hydra_main()
-            except Exception as err:
+            except (Exception, Refused) as raised:
+                err = raised.error if isinstance(raised, Refused) else raised
                 if not is_mistake(err, task, user_errors) or _interrupted.is_set():
-                    raise  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
+                    raise err  # a mistake made by Ctrl-C (a module it left half-imported) is `command`'s to say
+                why = None
+                if args is not None and composing_error(err):
+                    why = explain_failure(err, primary_dir(task, config_path, args), args.config_name or config_name,
+                                          args)
                 if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank says it
-                    print(f"error: {one_sentence(err)}", file=sys.stderr)
+                    print(f"error: {why or one_sentence(err)}", file=sys.stderr)
                 raise SystemExit(2) from None
 
         return entry
@@ -147,14 +155,71 @@ def main(config_path: str, config_name: str, user_errors: Callable[[], tuple[typ
     return decorate
 
 
+def primary_dir(task: Callable, config_path: str, args) -> str:
+    """The primary config's folder: --config-path, or the task's; a relative one beside the task's module."""
+    path = args.config_path if args.config_path is not None else config_path
+    return os.path.join(os.path.dirname(inspect.getfile(task)), path)
+
+
+def check_shown(config_dir: str, config_name: str, args) -> None:
+    """--cfg prints the config Hydra composes, and Hydra has no hook between the two: the config it shows is
+    composed here first and checked against the schema (not what running needs of this machine, its data)."""
+    overrides = [parse_override(arg) for arg in args.overrides]
+    check_not_swept(overrides)  # --cfg shows one run's config
+    with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
+        cfg = app.composed(overrides, lambda lines: app.load(lines, RunMode.RUN))
+        check_run(app, cfg, overrides, None)
+    if args.package not in (None, "_global_"):
+        top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
+        shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
+        try:
+            found = OmegaConf.select(cfg, args.package) is not None
+        except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
+            found = True
+        if not shown or not found:
+            raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
+
+
+class Checks(Callback):
+    """Named by the primary config (hydra.callbacks): Hydra calls it with the config it composed, before it
+    writes anything (the run or sweep directory, its .hydra record), and it checks that config, once.
+    `check`: the task's own checks of one run, `check(cfg, overrides)`, by their import path."""
+
+    def __init__(self, check: Optional[str] = None):
+        self.check = hydra.utils.get_method(check) if check else None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+
+    def _check(self, config: DictConfig) -> None:
+        try:
+            check_composed(config, GlobalHydra.instance().config_loader(), self.check)
+        except Exception as err:  # Hydra makes a callback's Exception a warning, and goes on
+            raise Refused(err) from err
+
+
+class Refused(BaseException):
+    """A `Checks` error on its way to `main` through Hydra, which lets a BaseException through."""
+
+    def __init__(self, error: Exception):
+        super().__init__(error)
+        self.error = error
+
+
 @contextlib.contextmanager
 def hydra_raises():
     """Hydra prints its own errors (several lines, exit code 1) unless HYDRA_FULL_ERROR is set; then
-    it raises them, and `main` says them in one sentence."""
+    it raises them, and `main` says them in one sentence. Its warning of a hydra.searchpath entry that is
+    not there (it then reports the presets that entry should have held as missing) is raised as an error."""
     before = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", SEARCH_PATH_MISSING, UserWarning)
+            yield
     finally:
         if before is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -162,51 +227,20 @@ def hydra_raises():
             os.environ["HYDRA_FULL_ERROR"] = before
 
 
-@contextlib.contextmanager
-def composed_once(composed: Optional[Composed]):
-    """Hydra composes the whole config twice before its task runs: to read its hydra.mode, then to run
-    it. The check composed the same config already (a tenth of a CPU-second each time), so Hydra is
-    given its mode, and then the config itself for its first composition of the same command line."""
-    if composed is None:
-        yield
-        return
-    unused = [composed]
-    load_configuration = ConfigLoaderImpl.load_configuration
-
-    def load_once(loader, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
-        given = unused.pop() if unused else None  # Hydra's first composition only: later ones differ
-        if given is not None and from_shell and validate_sweep_overrides:
-            cfg = composed_again(given, config_name, overrides, run_mode)
-            if cfg is not None:
-                return cfg
-        return load_configuration(loader, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
-
-    mode = composed.cfg.hydra.mode
-    with unittest.mock.patch.object(Hydra, "get_mode", lambda self, config_name, overrides: mode), \
-            unittest.mock.patch.object(ConfigLoaderImpl, "load_configuration", load_once):
-        yield
+SEARCH_PATH_MISSING = r"provider=hydra\.searchpath in .* is not available"
 
 
-def composed_again(composed: Composed, config_name: str, overrides: list[str],
-                   run_mode: RunMode) -> Optional[DictConfig]:
-    """The config Hydra composes from these arguments, where it is `composed`'s: the same command line, or
-    that line and the hydra.mode=MODE that Hydra adds to it when the config sets no mode; else None."""
-    lines = list(overrides)
-    added = lines[len(composed.lines):]
-    if ((config_name, run_mode, lines[:len(composed.lines)]) != (composed.config_name, composed.mode, composed.lines)
-            or added not in ([], [f"hydra.mode={run_mode.name}"])):
-        return None
-    cfg = composed.cfg
-    if added:  # as Hydra applies a hydra override: the value set, the line recorded
-        cfg.hydra.mode = run_mode
-        cfg.hydra.overrides.hydra.append(added[0])
-    return cfg
+def composing_error(err: Exception) -> bool:
+    """An error Hydra raised as it composed a config (OmegaConf asserts on some overrides): explained by
+    composing again."""
+    return isinstance(err, (HydraException, OmegaConfBaseException, yaml.YAMLError, UserWarning)) \
+        or any(code.co_name == "load_configuration" for code in traced(err))
 
 
 def is_mistake(err: Exception, task: Callable, user_errors: Callable[[], tuple]) -> bool:
     if isinstance(err, ConfigError):
         return True
-    if isinstance(err, (HydraException, OmegaConfBaseException, yaml.YAMLError)) or logging_refused(err) \
+    if composing_error(err) or logging_refused(err) \
             or refused_path(err, [], PATH_SHAPE_ERRORS) is not None:
         return not raised_in(err, task.__code__)  # from the task's own code it is a bug, not the command line's
     return isinstance(err, user_errors())

@@ -1,9 +1,11 @@
-"""The command line composed as Hydra will compose it, before Hydra runs, and each mistake in it explained.
+"""Each mistake of a command line in one sentence.
 
-`check_command_line` parses the arguments as Hydra does, composes every run they describe (each point of
-a `--multirun` grid) into its typed config with every range check, and raises a ConfigError naming the
-override at fault (`Composer.explain`); `one_sentence` words any error the command line caused, which
-frontier.cli prints with exit code 2.
+Hydra composes the command line, once; `check_composed` checks what it composed (frontier.cli calls it
+from a Hydra callback, before Hydra writes anything): every run it describes built into its typed config
+with every range check, a ConfigError naming the override at fault. Where Hydra itself refuses the
+command line, its error names neither the override nor what is allowed: `explain_failure` composes again,
+on that failure path only, to find them (`Composer.explain`). `one_sentence` words any other error the
+command line caused, which frontier.cli prints with exit code 2.
 """
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ import typing
 import warnings
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import yaml
+from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import (create_automatic_config_search_path,
-                                   detect_calling_file_or_module_from_task_function, detect_task_name, get_args_parser)
+from hydra._internal.utils import get_args_parser
+from hydra.core.config_loader import ConfigLoader
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -35,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException, ValidationError)
 
-from frontier.config import SCHEMA_NAME, ConfigError, error_line, key_hint, to_config
+from frontier.config import SCHEMA_NAME, Config, ConfigError, error_line, key_hint, to_config
 from frontier.paths import unwritable
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
@@ -117,19 +119,9 @@ def yaml_problem(err: yaml.MarkedYAMLError) -> str:
     return f"{mark.name} is not valid YAML: {where}: {err.problem}" + (f" ({context})" if context else "")
 
 
-class Composed(NamedTuple):
-    """The config a command line composes to, and what composed it: Hydra composes the same again to run it."""
-
-    config_name: str
-    lines: list[str]
-    mode: RunMode
-    cfg: DictConfig
-
-
-def check_command_line(task: Callable, config_path: str, config_name: str, argv: list[str],
-                       check: Optional[Callable[[DictConfig, list[Override]], None]] = None) -> Optional[Composed]:
-    """Refuses a mistake in one sentence (ConfigError); returns the config a run or a multirun composes to
-    (None where only something is shown)."""
+def check_arguments(argv: list[str]):
+    """The parsed arguments, with what Hydra's parser and its flags refuse in several lines (or not at all)
+    refused in one sentence: found from the arguments alone, nothing composed."""
     args = parse_args(argv)
     commands = [name for name, given in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                          ("--info", args.info), ("--shell-completion", args.shell_completion)) if given]
@@ -146,79 +138,11 @@ def check_command_line(task: Callable, config_path: str, config_name: str, argv:
                           "query=SHELL (e.g. install=bash)")
     if args.config_dir is not None and not Path(args.config_dir).is_dir():
         raise ConfigError(f"--config-dir={args.config_dir} is not allowed: it is not a directory")
-    if args.shell_completion:
-        return  # it only shows things; Hydra's errors there still become one sentence
-    config_name = args.config_name or config_name
-    with composer(task, args.config_path or config_path, config_name, args.config_dir) as app:
-        if not app.primary_exists():  # Hydra's "Cannot find primary config" names neither the option nor the choices
-            choices = app.primary_configs()
-            if args.config_path is not None and not choices:
-                raise ConfigError(f"--config-path={args.config_path} is not allowed: no config is there (it "
-                                  "takes a folder of YAML configs; a relative path is read from the frontier package)")
-            raise ConfigError(f"--config-name={config_name} is not allowed: there is no such primary config; "
-                              f"choose one of {', '.join(choices)}")
-        if args.cfg and args.package not in (None, "_global_"):
-            cfg = app.compose([parse_override(arg) for arg in args.overrides], RunMode.RUN)
-            top = args.package.partition(".")[0]  # --cfg hydra shows the hydra node alone, job all but it
-            shown = {"hydra": top == "hydra", "job": top != "hydra"}.get(args.cfg, True)
-            try:
-                found = OmegaConf.select(cfg, args.package) is not None
-            except OmegaConfBaseException:  # there, but its value does not resolve: Hydra's to say
-                found = True
-            if not shown or not found:
-                raise ConfigError(f"--package={args.package} is not allowed: the {args.cfg} config has no such key")
-        if args.help or args.hydra_help or args.info or args.experimental_rerun:
-            return  # they only show things; Hydra's errors there still become one sentence
-        overrides = [parse_override(arg) for arg in args.overrides]
-        mode = RunMode.RUN if args.cfg else app.mode(overrides, args.multirun)  # --cfg shows one run's config
-        if mode == RunMode.RUN:
-            for override in overrides:
-                if override.is_sweep_override() and not override.is_hydra_override():
-                    raise ConfigError(f"{override.input_line} is not allowed: a comma list or sweep function "
-                                      "sweeps over values, which needs --multirun (quote a value that holds a "
-                                      "comma: key='a,b'; a list is key=[a,b])")
-            cfg = app.compose(overrides, RunMode.RUN)
-            # --cfg only shows the config: its schema and ranges are checked, not what running needs here
-            check_run(app, cfg, overrides, None if args.cfg else check)
-            if args.cfg:
-                return  # nothing is written
-            check_writable(cfg, "hydra.run.dir")
-            check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
-            for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
-                selected(cfg, key)
-            return Composed(config_name, list(args.overrides), RunMode.RUN, cfg)
-        for override in overrides:  # Hydra would drop these silently: the defaults would run
-            if override.is_sweep_override() and (override.key_or_group == "sweep"
-                                                 or override.key_or_group.startswith("sweep.")):
-                raise ConfigError(f"{override.input_line} is not allowed: a sweep's own settings cannot be "
-                                  "swept (one preset and one value of each sweep.* key per sweep); sweep over "
-                                  "the trials' keys instead, e.g. model=base,wide or "
-                                  "'optim.matrix_lr=interval(0.01,0.1)'")
-        master = app.compose(overrides, RunMode.MULTIRUN)
-        check_writable(master, "hydra.sweep.dir")
-        for key in ("hydra.sweep.subdir", "hydra.job.name", "hydra.output_subdir"):
-            selected(master, key)
-        if master.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides,
-            sweeper = master.hydra.sweeper.get("_target_", "")
-            if sweeper != FRONTIER_SWEEPER:  # another sweeper would run the base config, the search dropped
-                chosen = next((o.input_line for o in overrides if o.key_or_group == "hydra/sweeper"), sweeper)
-                raise ConfigError(f"{chosen} is not allowed with sweep={master.sweep.name}: only the frontier "
-                                  "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
-                                  "another would train the base config and drop the search space")
-            # its values; the sweeper checks the search's settings and space, then what running needs
-            # (`check`, which imports torch and opens the store), then every trial's values
-            check_run(app, master, overrides, None)
-            return Composed(config_name, list(args.overrides), RunMode.MULTIRUN, master)
-        points = [(point, app.compose(point, RunMode.RUN)) for point in grid(master, overrides)]
-        for point, cfg in points:  # Hydra's grid: every point must be a valid run, its values checked
-            check_run(app, cfg, point, None)  # first, before the checks that import torch
-        for point, cfg in points:
-            check_run(app, cfg, point, check)
-        return Composed(config_name, list(args.overrides), RunMode.MULTIRUN, master)
+    return args
 
 
 def parse_args(argv: list[str]):
-    parser = get_args_parser()
+    parser = get_args_parser()  # the parser hydra.main reads its command line with
 
     def refuse(message: str) -> None:
         what, _, rest = message.partition(": ")
@@ -248,43 +172,125 @@ def parse_override(arg: str) -> Override:
                       f"spaces, = or brackets in quotes); grammar: {GRAMMAR}")
 
 
+def explain_failure(err: Exception, config_dir: str, config_name: str, args) -> Optional[str]:
+    """Why Hydra could not compose this command line, in one sentence naming the override at fault; None
+    where the command line composes (the error came from elsewhere). Hydra's own error names neither the
+    override nor what is allowed: the command line is composed again to find them, on this failure path only."""
+    try:
+        overrides = [parse_override(arg) for arg in args.overrides]  # a line Hydra cannot read, by its own words
+        if isinstance(err, UserWarning):  # Hydra's warning of a search path that is not there, made an error
+            check_search_path(str(err), overrides)
+        multirun = args.multirun or any(arg.replace(" ", "") == "hydra.mode=MULTIRUN" for arg in args.overrides)
+        if not multirun:
+            check_not_swept(overrides)
+        with composer(config_dir, config_name, args.overrides, args.config_dir) as app:
+            if config_name not in app.primary_configs():  # Hydra's message names neither the option nor the choices
+                choices = app.primary_configs()
+                if args.config_path is not None and not choices:
+                    raise ConfigError(f"--config-path={args.config_path} is not allowed: no config is there (it "
+                                      "takes a folder of YAML configs; a relative path is read from the frontier "
+                                      "package)")
+                raise ConfigError(f"--config-name={config_name} is not allowed: there is no such primary config; "
+                                  f"choose one of {', '.join(choices)}")
+            mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+            culprit = app.culprit(overrides, lambda lines: app.load(lines, mode))
+    except ConfigError as mistake:
+        return str(mistake)
+    except Exception:  # the command line does not compose as hydra.main set it up: Hydra's own words then
+        return None
+    return culprit[1] if culprit is not None else None
+
+
+def check_not_swept(overrides: list[Override]) -> None:
+    for override in overrides:
+        if override.is_sweep_override() and not override.is_hydra_override():
+            raise ConfigError(f"{override.input_line} is not allowed: a comma list or sweep function sweeps over "
+                              "values, which needs --multirun (quote a value that holds a comma: key='a,b'; a list "
+                              "is key=[a,b])")
+
+
+def run_config(config_dir: str, overrides: list[str], config_name: str = "config") -> Config:
+    """One run's typed config as Hydra's compose API composes it, for a command that takes the trainer's
+    overrides (frontier.bench, frontier.model_card): a mistake is a ConfigError naming the override."""
+    parsed = [parse_override(line) for line in overrides]
+    check_not_swept(parsed)
+    with composer(config_dir, config_name, overrides) as app:
+        cfg = app.composed(parsed, lambda lines: app.load(lines, RunMode.RUN))
+        return check_run(app, cfg, parsed, None)
+
+
+def check_composed(cfg: DictConfig, loader: ConfigLoader,
+                   check: Optional[Callable[[DictConfig, list[Override]], None]]) -> None:
+    """The config Hydra composed for a run or a multirun, checked before Hydra writes anything: every run it
+    describes (each point of a --multirun grid) built into its typed config with every range check, and the
+    task's own `check(cfg, overrides)` of what running needs; its run or sweep directory can be created."""
+    hydra_lines, task_lines = (OmegaConf.to_container(cfg.hydra.overrides[kind], resolve=False)  # as Hydra reads them
+                               for kind in ("hydra", "task"))
+    app = Composer(loader, cfg.hydra.job.config_name, searchpath(hydra_lines))
+    overrides = [parse_override(line) for line in task_lines]
+    if cfg.hydra.mode == RunMode.RUN:
+        check_run(app, cfg, overrides, check)
+        check_writable(cfg, "hydra.run.dir")
+        check_run_dir_free(cfg, "hydra.run.dir")  # Hydra would write its .hydra record over that run's
+        for key in ("hydra.job.name", "hydra.output_subdir"):  # Hydra resolves them after it made the run dir
+            selected(cfg, key)
+        return
+    for override in overrides:  # Hydra would drop these silently: the defaults would run
+        if override.is_sweep_override() and (override.key_or_group == "sweep"
+                                             or override.key_or_group.startswith("sweep.")):
+            raise ConfigError(f"{override.input_line} is not allowed: a sweep's own settings cannot be "
+                              "swept (one preset and one value of each sweep.* key per sweep); sweep over "
+                              "the trials' keys instead, e.g. model=base,wide or "
+                              "'optim.matrix_lr=interval(0.01,0.1)'")
+    check_writable(cfg, "hydra.sweep.dir")
+    for key in ("hydra.sweep.subdir", "hydra.job.name", "hydra.output_subdir"):
+        selected(cfg, key)
+    if cfg.get("sweep") is not None:  # an Optuna search: a run's checks on its fixed overrides' values;
+        sweeper = cfg.hydra.sweeper.get("_target_", "")
+        if sweeper != FRONTIER_SWEEPER:  # another sweeper would run the base config, the search dropped
+            chosen = next((line for line in hydra_lines if line.startswith("hydra/sweeper=")), sweeper)
+            raise ConfigError(f"{chosen} is not allowed with sweep={cfg.sweep.name}: only the frontier "
+                              "sweeper (hydra/sweeper=frontier, the default) runs a sweep preset's search; "
+                              "another would train the base config and drop the search space")
+        # the sweeper checks the search's settings and space, then what running needs (`check`, which
+        # imports torch and opens the store), then every trial's values
+        check_run(app, cfg, overrides, None)
+        return
+    # Hydra's grid: every point must be a valid run, composed as its launcher will compose it, its values
+    # checked first, before the checks that import torch
+    points = [(point, app.composed(point, lambda lines: loader.load_sweep_config(cfg, lines)))
+              for point in grid(cfg, overrides)]
+    for point, point_cfg in points:
+        check_run(app, point_cfg, point, None)
+    for point, point_cfg in points:
+        check_run(app, point_cfg, point, check)
+
+
+def searchpath(lines: list[str]) -> list[str]:
+    """The overrides among `lines` that change where Hydra finds configs."""
+    return [line for line in lines if line.lstrip("+").partition("=")[0] == "hydra.searchpath"]
+
+
 class Composer:
-    """Hydra's own composition, as `hydra.main` sets it up for the task function."""
+    """Hydra's composition through its config loader, to name the override at fault where it fails."""
 
-    def __init__(self, app: Hydra, config_name: str):
-        self.app, self.config_name = app, config_name
-        self._composed: dict[tuple, Any] = {}  # (lines, mode) -> (config, Hydra's warnings), or its error
+    def __init__(self, loader: ConfigLoader, config_name: str, lines: list[str] = ()):
+        self.loader, self.config_name, self.lines = loader, config_name, list(lines)
 
-    def mode(self, overrides: list[Override], multirun: bool) -> RunMode:
-        if multirun:  # --multirun decides: no composing needed to read hydra.mode
-            return RunMode.MULTIRUN
-        if not any(o.is_sweep_override() for o in overrides):  # a run's own composition reads it, kept for compose()
-            try:
-                chosen = self._recorded([o.input_line for o in overrides], RunMode.RUN)[0].hydra.mode
-            except Exception:  # compose() names the override; a multirun's composition may still succeed
-                pass
-            else:
-                return RunMode.MULTIRUN if chosen == RunMode.MULTIRUN else RunMode.RUN
-        with warnings.catch_warnings():  # it composes too: compose() says what Hydra warns of
-            warnings.simplefilter("ignore")
-            chosen = self.app.get_mode(config_name=self.config_name, overrides=[o.input_line for o in overrides])
-        return RunMode.MULTIRUN if chosen == RunMode.MULTIRUN else RunMode.RUN
+    def load(self, lines: list[str], mode: RunMode) -> DictConfig:
+        return self.loader.load_configuration(config_name=self.config_name, overrides=self.lines + list(lines),
+                                              run_mode=mode, from_shell=True)
 
-    def compose(self, overrides: list[Override], mode: RunMode) -> DictConfig:
-        """The composed config (with its hydra node); a failure names the override that causes it."""
-        lines = [o.input_line for o in overrides]
+    def composed(self, overrides: list[Override], compose: Callable[[list[str]], DictConfig]) -> DictConfig:
+        """`compose`'s config of these overrides; where it fails, a ConfigError naming the override at fault."""
         try:
-            cfg, caught = self._recorded(lines, mode)
-        except Exception:  # find the first override that breaks composition, to name it
+            return compose([o.input_line for o in overrides])
+        except Exception:
             pass
-        else:
-            for warning in caught:
-                check_search_path(str(warning.message), overrides)
-                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-            return cfg
-        culprit = self.culprit(overrides, lambda lines: self._compose(lines, mode))
+        culprit = self.culprit(overrides, compose)
         if culprit is None:
-            raise ConfigError(f"{' '.join(lines)} is not allowed: these overrides do not compose together")
+            raise ConfigError(f"{' '.join(o.input_line for o in overrides)} is not allowed: these overrides do not "
+                              "compose together")
         raise ConfigError(culprit[1])
 
     def culprit(self, overrides: list[Override],
@@ -294,57 +300,43 @@ class Composer:
         the search, or a value under a group chosen later (sweep.n_trials=3 sweep=lr) would be blamed."""
         overrides = sorted(overrides, key=lambda o: (o.key_or_group != "hydra.searchpath",  # where groups are found
                                                      o.is_delete() or not self.is_group(o.key_or_group)))
-        before = compose([])  # the config of overrides[:works]
-        try:
-            compose([o.input_line for o in overrides])
-        except Exception as err:
-            error = err
-        else:
-            return None
-        # A later override cannot mend a composition an earlier one broke: bisect for the first that breaks
-        # it, in a few compositions (a third of a second each) where trying each prefix took one per override.
-        works, breaks = 0, len(overrides)
-        while breaks - works > 1:
-            middle = (works + breaks) // 2
+        with warnings.catch_warnings():  # Hydra's warnings of what it composes: the one sentence says what matters
+            warnings.simplefilter("ignore")
             try:
-                config = compose([o.input_line for o in overrides[:middle]])
+                compose([o.input_line for o in overrides])
             except Exception as err:
-                breaks, error = middle, err
+                error = err
             else:
-                works, before = middle, config
-        return overrides[works], self.explain(overrides[works], error, before)
-
-    def _recorded(self, lines: list[str], mode: RunMode) -> tuple[DictConfig, list]:
-        """One composition of these lines (composing takes a third of a second), with Hydra's warnings."""
-        key = (tuple(lines), mode)
-        if key not in self._composed:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+                return None
+            before = compose([])  # the config of overrides[:works]
+            # A later override cannot mend a composition an earlier one broke: bisect for the first that
+            # breaks it, in a few compositions (a third of a second each), not one per override.
+            works, breaks = 0, len(overrides)
+            while breaks - works > 1:
+                middle = (works + breaks) // 2
                 try:
-                    self._composed[key] = self._compose(lines, mode), list(caught)
+                    config = compose([o.input_line for o in overrides[:middle]])
                 except Exception as err:
-                    self._composed[key] = err
-        if isinstance(self._composed[key], Exception):
-            raise self._composed[key]
-        return self._composed[key]
-
-    def _compose(self, lines: list[str], mode: RunMode) -> DictConfig:
-        return self.app.compose_config(config_name=self.config_name, overrides=list(lines), run_mode=mode,
-                                       with_log_configuration=False, from_shell=True)
-
-    def primary_exists(self) -> bool:
-        return self.app.config_loader.repository.config_exists(self.config_name)
+                    breaks, error = middle, err
+                else:
+                    works, before = middle, config
+        return overrides[works], self.explain(overrides[works], error, before)
 
     def primary_configs(self) -> list[str]:
         """The config names --config-name can take (Hydra's placeholder and the bare schema left out)."""
-        names = self.app.config_loader.get_group_options("", results_filter=ObjectType.CONFIG)
+        names = self.loader.get_group_options("", results_filter=ObjectType.CONFIG, overrides=self.lines)
         return [name for name in names if not name.startswith("_") and name != SCHEMA_NAME]
 
     def options(self, group: str) -> list[str]:
-        return self.app.config_loader.get_group_options(group) if self.is_group(group) else []
+        return self._options(group, ObjectType.CONFIG) if self.is_group(group) else []
 
     def is_group(self, key: str) -> bool:
-        return self.app.config_loader.repository.group_exists(key)
+        parent, _, name = key.rpartition("/")
+        return bool(name) and name in self._options(parent, ObjectType.GROUP)
+
+    def _options(self, group: str, kind: ObjectType) -> list[str]:
+        return self.loader.get_group_options(group, results_filter=kind, config_name=self.config_name,
+                                             overrides=self.lines)
 
     def explain(self, override: Override, err: Exception, before: DictConfig) -> str:
         """Why `override` does not compose onto `before`, in words."""
@@ -404,17 +396,22 @@ def check_search_path(warning: str, overrides: list[Override]) -> None:
 
 
 @contextlib.contextmanager
-def composer(task: Callable, config_path: str, config_name: str, config_dir: Optional[str]):
-    calling_file, calling_module = detect_calling_file_or_module_from_task_function(task)
-    search_path = create_automatic_config_search_path(calling_file, calling_module, config_path)
-    if config_dir is not None:
-        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(config_dir)}")
-    app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
-                                   config_search_path=search_path)
-    try:
-        yield Composer(app, config_name)
-    finally:
-        GlobalHydra.instance().clear()
+def composer(config_dir: str, config_name: str, overrides: list[str],
+             extra_dir: Optional[str] = None) -> Iterator[Composer]:
+    """Hydra initialized through its compose API as hydra.main initializes it for a command line:
+    `config_dir` holds the primary config (--config-path), `extra_dir` is --config-dir."""
+    lines = searchpath(overrides)
+    if extra_dir is not None:  # hydra.main searches it after the primary config's folder, as a searchpath entry
+        dirs = [os.path.abspath(config_dir), os.path.abspath(extra_dir)]
+        if not os.path.isfile(os.path.join(dirs[0], f"{config_name}.yaml")):  # the primary config is its own
+            dirs.reverse()
+        given = [o.value() for o in map(parse_override, lines) if isinstance(o.value(), list)]
+        lines = [f"hydra.searchpath=[{','.join([f'file://{dirs[1]}', *(given[-1] if given else [])])}]"]
+        config_dir = dirs[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+            yield Composer(GlobalHydra.instance().config_loader(), config_name, lines)
 
 
 def task_part(cfg: DictConfig) -> DictConfig:
@@ -426,13 +423,14 @@ def task_part(cfg: DictConfig) -> DictConfig:
 
 
 def check_run(app: Composer, cfg: DictConfig, overrides: list[Override],
-              check: Optional[Callable[[DictConfig, list[Override]], None]]) -> None:
+              check: Optional[Callable[[DictConfig, list[Override]], None]]) -> Config:
     """One run's config built into typed objects, with every range check."""
     task_cfg = task_part(cfg)
     try:
-        to_config(task_cfg)
+        config = to_config(task_cfg)
         if check is not None:
             check(task_cfg, overrides)
+        return config
     except OmegaConfBaseException as err:  # a deleted required key, an interpolation that fails
         raise ConfigError(explain_value(app, err, overrides, cfg)) from None
 

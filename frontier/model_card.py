@@ -16,14 +16,13 @@ import sys
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from frontier import paths
 from frontier.cli import command
-from frontier.compose import check_command_line, one_sentence
-from frontier.config import Config, ConfigError, register_schemas, to_config
+from frontier.compose import one_sentence, run_config
+from frontier.config import Config, ConfigError, register_schemas
 from frontier.device import Device, resolve_device
 from frontier.model import GPT, build, head_size, kv_heads, layer_windows, value_embed_layers
 from frontier.optim import build_optimizers
@@ -31,9 +30,7 @@ from frontier.optim import build_optimizers
 
 def load_config(overrides: list[str]) -> Config:
     register_schemas()
-    check_command_line(main, str(paths.conf_dir()), "config", overrides)  # Hydra's mistakes, one sentence
-    with initialize_config_dir(config_dir=str(paths.conf_dir()), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=overrides))
+    return run_config(str(paths.conf_dir()), overrides)  # Hydra's mistakes, one sentence
 
 
 def describe_shape(cfg) -> str:

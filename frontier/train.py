@@ -92,7 +92,7 @@ def run_name(model: str, overrides: list[str]) -> str:
     return name if len(name) <= RUN_NAME_CHARS else name[:RUN_NAME_CHARS - 1] + "…"
 
 
-@cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors, check=check)
+@cli.main(config_path=str(paths.conf_dir()), config_name="config", user_errors=user_errors)
 def main(cfg: DictConfig) -> float:
     from frontier.lifecycle import RunWriteError
     from frontier.trainer import Diverged, train
@@ -128,4 +128,4 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    main()  # frontier.cli checks the command line (and that hydra.run.dir can be created) before Hydra runs
+    main()  # frontier.cli.Checks checks the config Hydra composed (`check` too) before Hydra writes anything

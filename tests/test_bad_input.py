@@ -290,6 +290,21 @@ def test_a_mistake_inside_a_users_preset_names_the_preset_the_key_and_the_value(
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_primary_config_of_ones_own_in_config_dir_is_shown_and_its_mistakes_named(tmp_path):
+    """Hydra finds --config-name in --config-dir; so must the composition that explains a mistake Hydra refused."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\nseed: 7\n")
+    (tmp_path / "out").mkdir()
+    options = ["--config-dir", str(tmp_path / "conf"), "--config-name", "mine"]
+    shown = command_in_process("frontier.train", [*options, "--cfg", "job", *FAST])
+    assert shown.returncode == 0 and "seed: 7" in shown.stdout.splitlines(), shown.stderr
+    refused = command_in_process("frontier.train", [*options, *FAST, *isolated(tmp_path / "out"), "model=huge"])
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith(f"error: model=huge is not allowed: model has no such option; choose one of "
+                                     f"{MODELS}") and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_an_unwritable_run_or_sweep_dir_is_refused_without_creating_anything(tmp_path):
     (tmp_path / "a_file").write_text("")
     for args in (["hydra.run.dir={}"], ["--multirun", "hydra.sweep.dir={}"]):

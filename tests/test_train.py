@@ -181,44 +181,6 @@ def test_the_command_line_runs_and_writes_into_the_hydra_run_dir(wiki, tmp_path)
     assert "leaked" not in result.stderr, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("argv", [[*FAST, "budget.max_steps=3"],  # Hydra adds hydra.mode=RUN
-                                  [*FAST, "hydra.job.name=named", "hydra.mode=RUN"],  # the user's hydra overrides
-                                  ["--multirun", *FAST, "sweep=lr", "sweep.n_trials=2"]],
-                         ids=["run", "hydra overrides", "multirun"])
-def test_hydra_is_given_the_config_the_check_composed_as_hydra_composes_it(argv):
-    import inspect
-
-    from omegaconf import OmegaConf
-
-    from frontier import cli, paths, train as train_command
-    from frontier.compose import check_command_line, composer
-
-    task = inspect.unwrap(train_command.main)
-    composed = check_command_line(task, str(paths.conf_dir()), "config", argv)
-    overrides = [arg for arg in argv if arg != "--multirun"]
-    if composed.cfg.hydra.mode is None:  # what Hydra adds before it composes to run
-        overrides.append(f"hydra.mode={composed.mode.name}")
-    with composer(task, str(paths.conf_dir()), "config", None) as app:
-        hydra_composes = app.app.compose_config("config", overrides, run_mode=composed.mode, from_shell=True)
-    given = cli.composed_again(composed, "config", overrides, composed.mode)
-    assert given is not None
-    assert OmegaConf.to_container(given, resolve=False) == OmegaConf.to_container(hydra_composes, resolve=False)
-    assert cli.composed_again(composed, "config", [*overrides, "seed=1"], composed.mode) is None
-
-
-def test_a_run_composes_its_config_once(wiki, tmp_path, monkeypatch):
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    compositions = []
-    compose = ConfigLoaderImpl._load_configuration_impl
-    monkeypatch.setattr(ConfigLoaderImpl, "_load_configuration_impl",
-                        lambda self, *args, **kwargs: compositions.append(args) or compose(self, *args, **kwargs))
-    done = command_in_process("frontier.train", [*FAST, "budget.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "FINISHED"
-    assert len(compositions) == 1, compositions
-
-
 def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
     from frontier.budget import BudgetClock
     from frontier.config import BudgetConfig

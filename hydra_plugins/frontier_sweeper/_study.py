@@ -22,7 +22,6 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
@@ -240,8 +239,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
         search is answered in a second."""
         from frontier.train import check, user_errors  # the train command line's own checks of one run
 
-        # frontier.cli's Composer explains a failed override from the config before it: it needs only the loader
-        composer = Composer(SimpleNamespace(config_loader=config_loader), self.config.hydra.job.config_name)
+        # frontier.compose's Composer explains a failed override from the config before it
+        composer = Composer(config_loader, self.config.hydra.job.config_name)
         first = {key: _low(dist) for key, dist in self.space.items()}
         batches = [first] + [{**first, key: value} for key, dist in self.space.items() for value in _ends(dist)]
         trials = []
