@@ -153,6 +153,25 @@ def test_the_report_draws_the_pareto_front(tmp_path):
     assert "## Pareto front" in report["text"] and "# trial 1" in report["text"]
 
 
+def test_the_report_warns_of_trials_scored_on_different_validation_sets(tmp_path):
+    """Equal token counts on other rows (another seq_len, say) are different sets: the fingerprint tells."""
+    study = optuna.create_study(study_name="sets", storage=open_storage(str(tmp_path / "s.journal")))
+    study.set_user_attr("eval_tokens", {"final_tokens": 4096, "checkpoint_tokens": 1024, "how": "given"})
+    study.set_user_attr("val_fingerprint", "aaaa")
+    distributions = {"x": optuna.distributions.FloatDistribution(0, 2)}
+    for x, fingerprint in [(0.5, "aaaa"), (1.0, "aaaa")]:
+        study.add_trial(create_trial(value=x, params={"x": x}, distributions=distributions,
+                                     user_attrs={"val_tokens": 4096, "val_fingerprint": fingerprint}))
+    text = write_report(study, tmp_path / "one")["text"]
+    assert "different validation sets" not in text
+    assert "eval.final_tokens=4096 (eval.checkpoint_tokens=1024 at each checkpoint), the validation set aaaa." in text
+    study.add_trial(create_trial(value=0.7, params={"x": 0.7}, distributions=distributions,
+                                 user_attrs={"val_tokens": 4096, "val_fingerprint": "bbbb"}))
+    text = write_report(study, tmp_path / "two")["text"]
+    assert ("**Warning**: these trials were evaluated on different validation sets (val_fingerprint aaaa, bbbb): "
+            "their val_bpb do not compare.") in text
+
+
 IMPORTANCES = """
 import sys, optuna
 from frontier.sweep_report import param_importances

@@ -765,6 +765,25 @@ def test_leaderboard_orders_runs_and_shows_differences(tmp_path, store, capsys):
     assert leaderboard.main(["depth"]) == 2
 
 
+def test_leaderboard_flags_runs_scored_on_another_validation_set(tmp_path, store, capsys):
+    uri = store
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sets", artifact_location=(tmp_path / "artifacts").as_uri())
+    base = {"model.depth": 10, "budget.name": "phase1"}
+    add_run(client, exp, "best", {**base, "seed": 1}, {"val_bpb": 1.00}, tags={"val_fingerprint": "aaaa"})
+    add_run(client, exp, "same-set", {**base, "seed": 2}, {"val_bpb": 1.02}, tags={"val_fingerprint": "aaaa"})
+    add_run(client, exp, "other-set", {**base, "seed": 3}, {"val_bpb": 1.01}, tags={"val_fingerprint": "bbbb"})
+    add_run(client, exp, "unknown-set", {**base, "seed": 4}, {"val_bpb": 1.03})  # recorded before fingerprints
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=sets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = {line.split()[1]: line for line in lines[2:6]}
+    assert body["best"].endswith("(best)") and body["same-set"].endswith("seed=2")
+    assert body["other-set"].endswith("seed=3 val_fingerprint=bbbb (another validation set)")
+    assert body["unknown-set"].endswith("seed=4 val_fingerprint=- (another validation set)")
+    groups = lines[lines.index("configurations trained with several seeds (val_bpb mean +- sd, best mean first):") + 1:]
+    assert groups == ["1  1.0100 +- 0.0141  2 seeds  (best)"]  # only the two runs scored on one set
+
+
 def test_phase2_scores_hand_computed():
     rows = [{"val_bpb": 1.0, "core": 0.10}, {"val_bpb": 1.2, "core": 0.30}, {"val_bpb": 1.1, "core": 0.25}]
     # val_bpb (lower better) -> 1, 0, 0.5; core (higher better) -> 0, 1, 0.75
