@@ -59,6 +59,7 @@ def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
     (["checkpoint=x.pt", "colour=red"], "colour=red is not allowed: frontier.eval has no key 'colour'"),
     (["checkpoint=x.pt", "device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
     (["checkpoint=README.md"], "checkpoint=README.md is not allowed: it is truncated, damaged or not a torch"),
+    (["checkpoint=x.pt", "val_documents=0"], "val_documents=0 is not allowed: give a positive number of documents"),
 ])
 def test_eval_command_bad_input(args, message):
     """One line: a bad checkpoint is found before the device is set up (which says its precision)."""
