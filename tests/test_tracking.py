@@ -347,10 +347,10 @@ def test_closing_killed_trials_runs_goes_past_a_run_it_cannot_reach(tmp_path, st
 
 
 def test_run_that_raises_ends_failed(tmp_path, store, monkeypatch):
-    def boom(run, tokens):
+    def boom(run, vset):
         raise RuntimeError("boom at the checkpoint")
 
-    monkeypatch.setattr("frontier.trainer.evaluate_checkpoint", boom)
+    monkeypatch.setattr("frontier.trainer.evaluate", boom)  # the first evaluation is a checkpoint's
     uri = store
     with pytest.raises(RuntimeError, match="boom"):
         train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")

@@ -231,7 +231,7 @@ def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
     clock.add_step(1.0, tokens=1000)
     summary = {"flops_per_token": 1e6, "peak_flops": 2e8, "peak_flops_source": "measured 2026-11-30"}
     run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=2000)
-    summarize(run, None, 0)
+    summarize(run, None)
     assert summary["tokens_per_second"] == 1000.0 and summary["mfu"] == 5.0
     assert "measured 2026-11-30" in summary["mfu_note"] and summary["excluded_seconds_per_launch"] == [3.0]
     assert capsys.readouterr().err.startswith("warning: mfu 5.00 is above 1")
@@ -268,6 +268,6 @@ def test_on_a_cpu_mfu_is_taken_per_cpu_second():
     clock.add_step(2.0, tokens=1000, cpu_seconds=2.0)  # 2 s of wall, but only 1 s on each of 2 threads: a busy neighbour
     summary = {"flops_per_token": 1e6, "peak_flops": 2e9, "threads": 2, "mfu_basis": "cpu time"}
     run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=1000)
-    summarize(run, None, 0)
+    summarize(run, None)
     assert summary["tokens_per_second"] == 500.0 and summary["tokens_per_cpu_second"] == 500.0
     assert summary["mfu"] == 0.5  # 500 tokens per CPU-second x 2 threads x 1 MFLOP against 2 GFLOP/s
