@@ -454,6 +454,9 @@ class SweepConfig:
     confirm_top: int = 2  # how many of the best configurations are confirmed
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
+    # a trial slower than this fraction of the median tokens/s of its shape's trials on its kind of device
+    # is contended (slowed by another program), ranked on a re-run at the end of the search
+    min_relative_speed: float = 0.8
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
@@ -489,6 +492,8 @@ class SweepConfig:
                  "seeds per confirmed configuration: 0 (off), a positive integer, or null (3 for >= 8 trials)")
         _require(self.confirm != 1, "sweep.confirm", self.confirm,
                  "at least 2 seeds, or a noise floor cannot be measured; 0 turns confirmation off")
+        _require(0 < self.min_relative_speed <= 1, "sweep.min_relative_speed", self.min_relative_speed,
+                 "a fraction in (0, 1] of the median speed of a trial's peers")
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")

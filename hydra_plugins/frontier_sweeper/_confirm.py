@@ -39,6 +39,7 @@ def make_plan(study: Study, top: int, seeds: int, run_seed: int) -> dict | None:
     or None when no search trial finished."""
     ranked = sorted((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                      if not is_confirmation(t)), key=lambda t: t.value)
+    ranked = [t for t in ranked if str(t.number) not in study.user_attrs.get("contended", {})]  # slowed: re-run
     if not ranked:
         return None
     configs, seen = [{"label": BASELINE, "params": {}}], []
