@@ -3,12 +3,15 @@ trials of its shape on its kind of device), is not ranked, and runs again; a tri
 the sweep's folder could not be written does not count toward sweep.n_trials.
 
 The comparison, the counting and the report are called directly on studies made with Optuna's public
-API; a real slowed trial (CPU hogs on its core) runs in tests/test_sweep_faults.py.
+API; then a real sweep whose trial shares its core with busy programs.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import subprocess
+import sys
 
 import optuna
 import pytest
@@ -21,6 +24,7 @@ from hydra_plugins.frontier_sweeper._fairness import MIN_PEERS, contention, newl
 from hydra_plugins.frontier_sweeper._objective import counted_trials
 from hydra_plugins.frontier_sweeper._workers import unwritable
 from tests.conftest import fill
+from tests.test_sweep_faults import ROOT, driver_command, load, wait_for, wait_for_training
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -161,3 +165,69 @@ def test_a_folder_whose_disk_is_full_is_found_by_a_write_into_it(small_disk):
     finally:
         filler.unlink()
     assert unwritable(small_disk, "exit code 1") is None
+
+
+# -- a real slowed trial ---------------------------------------------------------------------------------
+
+
+def hog(core: int) -> subprocess.Popen:
+    """A process that keeps CPU core `core` busy, ahead of others where it may be: on a machine already busy,
+    one more program of the same weight slows a trial too little to tell. Linux shares a core between
+    sessions (autogroups) before their processes, and each trial has a session of its own, so the hog
+    takes one too, and raises its weight (which needs root)."""
+    def pin() -> None:
+        os.sched_setaffinity(0, {core})
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write("-10")
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_trial_slowed_by_programs_on_its_core_is_contended_re_run_and_ranked_on_its_re_run(tmp_path, mlflow_store):
+    """The sweep runs on one core; from trial 0's first step to its last, three busy programs of a higher
+    priority share it. Once its peers
+    have run, trial 0 is found contended: a log line, the study's record, its MLflow run's tag; it runs
+    again with the same parameters, uncounted, and the report ranks that re-run, not trial 0."""
+    from mlflow import MlflowClient
+
+    core = max(os.sched_getaffinity(0))
+    journal = str(tmp_path / "study.journal")
+    out = tmp_path / "out"
+    driver = subprocess.Popen(driver_command(out, "budget.seconds=4", "sweep.n_trials=4", "sweep.min_relative_speed=0.5",
+                                             f"sweep.storage={journal}", "sweep.study_name=slowed", "tracking.enabled=true",
+                                             f"tracking.uri={mlflow_store}", "tracking.experiment=slowed"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {core}))  # its trials inherit the core
+    hogs = []
+    try:
+        metrics = out / "0" / "metrics.jsonl"
+        wait_for_training(driver, metrics)  # its first step: a trial starved as it starts up sends no heartbeat
+        hogs = [hog(core) for _ in range(3)]
+        wait_for(lambda: driver.poll() is not None or '"progress": 1.0' in metrics.read_text(), 300,
+                 "trial 0's last step", poll=0.2)
+        for process in hogs:
+            process.kill()
+        output, _ = driver.communicate(timeout=600)
+    finally:
+        for process in [*hogs, driver]:
+            process.kill()
+            process.wait()
+    assert driver.returncode == 0, output[-3000:]
+    study = load(journal, "slowed")
+    trials = study.trials
+    slowed = study.user_attrs["contended"]
+    assert "0" in slowed and slowed["0"]["speed"] < 0.5 * slowed["0"]["median"], (slowed, output[-3000:])
+    assert f"trial 0 trained at {slowed['0']['speed']:,.0f} tokens/s" in output and "contended" in output
+    # each contended search trial ran once more with its parameters, and those re-runs did not count
+    reruns = {t.user_attrs["rerun_of"]: t for t in trials if t.user_attrs.get("rerun_of") is not None}
+    assert set(reruns) == {int(n) for n in slowed if trials[int(n)].user_attrs.get("rerun_of") is None}
+    assert reruns[0].params == trials[0].params and reruns[0].state == TrialState.COMPLETE
+    assert len(trials) - len(reruns) == 4
+    run = MlflowClient(mlflow_store).get_run(trials[0].user_attrs["mlflow_run_id"])
+    assert run.data.tags["contended"].startswith(f"trial 0 trained at {slowed['0']['speed']:,.0f} tokens/s")
+    # ranked on the re-run: trial 0 is in no ranked row, its re-run is, whatever their values
+    report = (out / "report" / "report.md").read_text()
+    top = report.split("## Top 10")[1].split("##")[0]
+    assert f"| {reruns[0].number} (re-run of 0) |" in top and "| 0 |" not in top, report
+    assert "## Contended" in report
