@@ -231,3 +231,12 @@ def test_a_trial_slowed_by_programs_on_its_core_is_contended_re_run_and_ranked_o
     top = report.split("## Top 10")[1].split("##")[0]
     assert f"| {reruns[0].number} (re-run of 0) |" in top and "| 0 |" not in top, report
     assert "## Contended" in report
+
+
+def test_a_cpu_slot_s_kind_of_device_is_its_cpu_and_its_threads(monkeypatch):
+    from frontier.bench_results import cpu_family
+    from hydra_plugins.frontier_sweeper._workers import device_slots
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (slot,) = device_slots("cpu", 1)
+    assert slot.kind == f"{cpu_family()} cpu, 1 threads"
