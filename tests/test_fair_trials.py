@@ -107,11 +107,14 @@ def study_of(trials: list, **attrs) -> optuna.Study:
     return study
 
 
-def test_the_first_trials_are_judged_once_their_peers_have_run_and_confirmations_are_peers_only():
+def test_the_first_trials_are_judged_once_their_peers_have_run_and_confirmation_runs_play_no_part():
     slow_first = [trial(0, 5_000), trial(1, 21_000)]
     assert newly_contended(study_of(slow_first), 0.8) == {}  # no peers yet
-    later = study_of([*slow_first, trial(2, 22_000), trial(3, 20_000), trial(4, 4_000, confirm="baseline")])
-    assert set(newly_contended(later, 0.8)) == {"0"}  # the slow confirmation run is not judged
+    confirmed = [trial(2, 22_000, confirm="baseline"), trial(3, 20_000, confirm="baseline"),
+                 trial(4, 4_000, confirm="baseline")]
+    assert newly_contended(study_of([*slow_first, *confirmed]), 0.8) == {}  # neither peers nor judged
+    later = study_of([*slow_first, trial(2, 22_000), trial(3, 20_000)])
+    assert set(newly_contended(later, 0.8)) == {"0"}
     known = study_of([*slow_first, trial(2, 22_000), trial(3, 20_000)], contended={"0": {}})
     assert newly_contended(known, 0.8) == {}  # recorded once
 

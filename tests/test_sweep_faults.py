@@ -348,7 +348,8 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
     name = f"test-drivers-{uuid.uuid4().hex[:8]}"
     uri = mlflow_store
     args = [*SHORT, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=drivers",
-            "sweep.n_trials=4", f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
+            "sweep.n_trials=4", "sweep.min_relative_speed=0.01",  # other tests share the machine: no re-runs
+            f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
     try:
         drivers = [subprocess.Popen(driver_command(tmp_path / f"driver{i}", *args), cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]

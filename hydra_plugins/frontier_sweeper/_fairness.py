@@ -3,8 +3,9 @@ than its configuration would have, so its value is a verdict on the machine, not
 
 A finished trial (complete or pruned: a pruned one was compared at equal charged time with fewer steps)
 is contended when its tokens/s is below `sweep.min_relative_speed` of the median of its peers: the
-study's other finished trials of the same shape (`params`, the model's parameter count) on the same
-kind of device (`device_kind`, recorded as the trial starts). Fewer than MIN_PEERS peers make no
+study's other finished search trials of the same shape (`params`, the model's parameter count) on the
+same kind of device (`device_kind`, recorded as the trial starts). Confirmation runs are neither judged
+nor peers: they start once the search's judgements are made, and a later one must not undo the plan. Fewer than MIN_PEERS peers make no
 judgement yet: each finished trial is judged again whenever the driver looks for its next trial, so
 the first trials are judged once their peers have run. A contended trial is recorded in the study's
 user attribute `contended` (Optuna takes no attributes on a finished trial) and runs again, with the
@@ -60,15 +61,14 @@ def contended(study: optuna.Study) -> dict[str, dict]:
 
 
 def newly_contended(study: optuna.Study, min_relative_speed: float) -> dict[str, dict]:
-    """The search's finished trials that are contended and not yet recorded so (confirmation runs are
-    peers, not judged: they are not ranked)."""
-    trials = study.get_trials(deepcopy=False)
+    """The search's finished trials that are contended and not yet recorded so."""
+    searched = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("confirm") is None]
     known = contended(study)
     found = {}
-    for trial in trials:
-        if str(trial.number) in known or trial.user_attrs.get("confirm") is not None:
+    for trial in searched:
+        if str(trial.number) in known:
             continue
-        slowed = contention(trial, trials, min_relative_speed)
+        slowed = contention(trial, searched, min_relative_speed)
         if slowed is not None:
             found[str(trial.number)] = slowed
     return found
