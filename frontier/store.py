@@ -234,7 +234,8 @@ def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
         _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
 
 
-def close_runs(tracking_cfg, run_ids: Iterable[str], status: str, errors: dict[str, str] | None = None) -> dict[str, str]:
+def close_runs(tracking_cfg, run_ids: Iterable[str], status: str,
+               errors: dict[str, str] | None = None) -> dict[str, str]:
     """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`, and the
     `error` tag `errors` gives each (why it died). Every run is tried; returns why, for each run that
     could not be closed."""

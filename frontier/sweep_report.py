@@ -2,7 +2,8 @@
 
 Writes report.md (the best trial and the command that reproduces it, the top-10 table, parameter
 importances, the confirmation of the best configurations against the baseline with new seeds, where
-the sweep's time went, the trials another program slowed (ranked on their re-runs), why trials failed) and plots: the optimisation history, val_bpb against the
+the sweep's time went, the trials another program slowed (ranked on their re-runs), why trials
+failed) and plots: the optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
 importances, the confirmed configurations against the seeds' noise (confirm.png), and for
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the

@@ -197,8 +197,9 @@ def test_a_trial_slowed_by_programs_on_its_core_is_contended_re_run_and_ranked_o
     core = max(os.sched_getaffinity(0))
     journal = str(tmp_path / "study.journal")
     out = tmp_path / "out"
-    driver = subprocess.Popen(driver_command(out, "budget.seconds=4", "sweep.n_trials=4", "sweep.min_relative_speed=0.5",
-                                             f"sweep.storage={journal}", "sweep.study_name=slowed", "tracking.enabled=true",
+    driver = subprocess.Popen(driver_command(out, "budget.seconds=4", "sweep.n_trials=4",
+                                             "sweep.min_relative_speed=0.5", f"sweep.storage={journal}",
+                                             "sweep.study_name=slowed", "tracking.enabled=true",
                                              f"tracking.uri={mlflow_store}", "tracking.experiment=slowed"),
                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               preexec_fn=lambda: os.sched_setaffinity(0, {core}))  # its trials inherit the core

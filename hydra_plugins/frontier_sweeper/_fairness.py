@@ -5,13 +5,13 @@ A finished trial (complete or pruned: a pruned one was compared at equal charged
 is contended when its tokens/s is below `sweep.min_relative_speed` of the median of its peers: the
 study's other finished search trials of the same shape (`params`, the model's parameter count) on the
 same kind of device (`device_kind`, recorded as the trial starts). Confirmation runs are neither judged
-nor peers: they start once the search's judgements are made, and a later one must not undo the plan. Fewer than MIN_PEERS peers make no
-judgement yet: each finished trial is judged again whenever the driver looks for its next trial, so
-the first trials are judged once their peers have run. A contended trial is recorded in the study's
-user attribute `contended` (Optuna takes no attributes on a finished trial) and runs again, with the
-same parameters, once the search's trials are done: the re-run (user attribute `rerun_of`) does not
-count toward `sweep.n_trials`, and the ranking and the confirmation use it instead of the slowed run.
-A re-run that is itself contended is recorded, not run a third time.
+nor peers: they start once the search's judgements are made, and a later one must not undo the plan.
+Fewer than MIN_PEERS peers make no judgement yet: each finished trial is judged again whenever the driver
+looks for its next trial, so the first trials are judged once their peers have run. A contended trial is
+recorded in the study's user attribute `contended` (Optuna takes no attributes on a finished trial) and
+runs again, with the same parameters, once the search's trials are done: the re-run (user attribute
+`rerun_of`) does not count toward `sweep.n_trials`, and the ranking and the confirmation use it instead
+of the slowed run. A re-run that is itself contended is recorded, not run a third time.
 """
 from __future__ import annotations
 

@@ -32,9 +32,9 @@ import frontier
 from frontier.compose import Composer, check_run, parse_override
 from frontier.config import ConfigError, SweepConfig, error_line, store_error_line
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
-from hydra_plugins.frontier_sweeper._fairness import FairTrials
 from hydra_plugins.frontier_sweeper._confirm import (BASELINE, confirmation_running, make_plan, next_run,
                                                      search_running, seeds_per_configuration)
+from hydra_plugins.frontier_sweeper._fairness import FairTrials
 from hydra_plugins.frontier_sweeper._frontier import BUDGET, Family, check_fits, check_space, family
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials

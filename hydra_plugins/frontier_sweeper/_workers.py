@@ -235,8 +235,8 @@ class Workers:
             if self.parent_run_id is not None:
                 extra += [f"tracking.parent_run_id={self.parent_run_id}", as_override("tracking.run_name", name)]
             for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
-                               "device": slot.label, "device_kind": slot.kind or slot.label, "driver": str(self.driver),
-                               "launched": self.launched is not None}.items():
+                               "device": slot.label, "device_kind": slot.kind or slot.label,
+                               "driver": str(self.driver), "launched": self.launched is not None}.items():
                 trial.set_user_attr(key, value)
             rerun_of = trial.user_attrs.get("rerun_of")
             log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}"
