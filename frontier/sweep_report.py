@@ -2,8 +2,9 @@
 
 Writes report.md (the best trial and the command that reproduces it, or once the best configurations
 were confirmed against the baseline with new seeds the verdict (frontier/verdict.py) and the command it
-recommends; the top-10 table, parameter importances, the confirmation runs, where
-the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
+recommends; the top-10 table, parameter importances, the confirmation runs, where the sweep's time
+went, the trials another program slowed (ranked on their re-runs), why trials failed) and plots: the
+optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
 importances, the confirmed configurations and each one's interval against the baseline (confirm.png), and for
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
@@ -304,7 +305,25 @@ def next_step_seconds(trials: list) -> list[float]:
     return gaps
 
 
-def time_lines(account: dict, trials: list) -> list[str]:
+def contended_lines(slowed: dict[str, dict], trials: list) -> list[str]:
+    """The trials another program slowed (tokens/s below sweep.min_relative_speed of their shape's median),
+    left out of the ranking above, and the re-run each was ranked on instead."""
+    reruns = {t.user_attrs["rerun_of"]: t for t in trials if t.user_attrs.get("rerun_of") is not None}
+    lines = ["## Contended", "", "Trials that trained slower than their peers (the other trials of their shape on "
+             "their kind of device), most likely because another program used the device: not ranked; each "
+             "ran again with the same parameters.", "",
+             "| trial | tokens/s | of the median | peers | device | re-run |", "|---|---|---|---|---|---|"]
+    for number, found in sorted(slowed.items(), key=lambda item: int(item[0])):
+        again = reruns.get(int(number))
+        outcome = (f"trial {again.number}: {again.state.name.lower()}"
+                   + (f", {again.value:.4f}" if again.state == TrialState.COMPLETE and len(again.values) == 1 else "")
+                   if again is not None else "none (it is not re-run again, or the sweep stopped first)")
+        lines.append(f"| {number} | {found['speed']:,.0f} | {found['speed'] / found['median']:.0%} of "
+                     f"{found['median']:,.0f} | {found['peers']} | {found['device_kind']} | {outcome} |")
+    return lines + [""]
+
+
+def time_lines(account: dict, trials: list, slowed: dict[str, dict]) -> list[str]:
     paid = account["paid"] or 1.0
     lines = ["## Where the time went", "",
              f"**Training share {account['training_share']:.0%}**: {account['parts']['charged']:.0f} charged seconds of "
@@ -320,7 +339,8 @@ def time_lines(account: dict, trials: list) -> list[str]:
     for t in trials:
         a = t.user_attrs
         if "wall_seconds" in a:
-            lines.append(f"| {t.number} | {t.state.name.lower()} | {a['wall_seconds']:.1f} | "
+            state = t.state.name.lower() + (" (contended)" if str(t.number) in slowed else "")
+            lines.append(f"| {t.number} | {state} | {a['wall_seconds']:.1f} | "
                          f"{a.get('time_startup_seconds', 0):.1f} | {a.get('time_charged_seconds', 0):.1f} | "
                          f"{a.get('time_evaluation_seconds', 0):.1f} | {a.get('training_share', 0):.0%} |")
     return lines + [""]
@@ -333,10 +353,11 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     trials = [t for t in every if t.user_attrs.get("confirm") is None]  # the search's own trials
     counts = {state.name: sum(t.state == state for t in trials) for state in TrialState}
     counts = {name: n for name, n in counts.items() if n}
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    slowed = study.user_attrs.get("contended", {})  # trials another program slowed: ranked on their re-runs
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and str(t.number) not in slowed]
     best, front = None, []
     if is_pareto(study):
-        front = sorted(study.best_trials, key=lambda t: t.values[0])
+        front = sorted((t for t in study.best_trials if str(t.number) not in slowed), key=lambda t: t.values[0])
         complete.sort(key=lambda t: t.values[0])
     else:
         complete.sort(key=lambda t: t.value)
@@ -388,7 +409,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
         bpb, core = metrics_of(t)
         cell = {"composite": t.value if not front else None, "val_bpb": bpb, "core": core,
                 "phase-2": scores.get(t.number)}
-        cells = [str(rank), str(t.number)] + [_fmt(cell[c]) for c in columns]
+        rerun_of = t.user_attrs.get("rerun_of")
+        cells = [str(rank), f"{t.number}" + (f" (re-run of {rerun_of})" if rerun_of is not None else "")]
+        cells += [_fmt(cell[c]) for c in columns]
         cells.append(_fmt(t.user_attrs.get("charged_seconds", "")))
         lines.append("| " + " | ".join(cells + [_fmt(t.params.get(p, "")) for p in params]) + " |")
     lines.append("")
@@ -407,7 +430,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
         lines += confirmation_lines(confirmed)
     lines += shapes.report_lines(study)  # a frontier sweep's fit; nothing for any other study
     if account:
-        lines += time_lines(account, every)
+        lines += time_lines(account, every, slowed)
+    if slowed:
+        lines += contended_lines(slowed, every)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         lines += ["## Pruned", ""] + [f"- trial {t.number}: {t.user_attrs.get('prune_reason', 'pruned')}"

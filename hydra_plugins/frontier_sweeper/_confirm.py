@@ -54,6 +54,7 @@ def make_plan(study: Study, top: int, blocks: int, max_blocks: int, run_seed: in
     trained with `run_seed`) and what decides more blocks; None when no search trial finished."""
     searched = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if not is_confirmation(t)]
     ranked = sorted(searched, key=lambda t: t.value)
+    ranked = [t for t in ranked if str(t.number) not in study.user_attrs.get("contended", {})]  # slowed: re-run
     if not ranked:
         return None
     configs, seen = [{"label": BASELINE, "params": {}}], []

@@ -33,6 +33,7 @@ from frontier.config import ConfigError, SweepConfig, error_line, store_error_li
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (blocks_at_most, confirmation_running, extended, make_plan,
                                                      next_run, search_running, seeds_per_configuration, verdict_of)
+from hydra_plugins.frontier_sweeper._fairness import FairTrials
 from hydra_plugins.frontier_sweeper._frontier import (BUDGET, Family, check_fits, check_space, family,
                                                       next_after_grid)
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
@@ -134,7 +135,7 @@ def default_trial_timeout(budget, seconds: float) -> float:
     return seconds + budget.startup_cap_seconds + max(600.0, 0.5 * seconds)
 
 
-class Sweep(StudyStorage, ParentRun, Workers):
+class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config, self.arguments = config, arguments
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
@@ -207,7 +208,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
         self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
         self.closing = threading.Lock()
-        self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
+        self.unclosed: dict[str, str] = {}  # MLflow runs of FAIL trials still to be closed, and why they failed
 
     def grid_axes(self, config: DictConfig) -> Family | None:
         """Adds sweep.budgets and a frontier's shapes and learning-rate scales to the search space."""
@@ -295,6 +296,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 reason = trial.user_attrs.get("fail_reason") or f"value {trial.value}"
                 log.warning(f"trial {trial.number} {trial.state.name}: its process is gone ({reason})")
             self.close_trial_runs(settled)
+            self.judge_speeds()
             if not self.stopping.is_set():
                 self.stop_reason = self.limit_reached()
                 if self.stop_reason:
@@ -303,8 +305,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 return None
             with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize()"
                 warnings.simplefilter("ignore")
-                if self.search_ended(self.study):
-                    found = self.next_frontier_trial()
+                if self.search_ended(self.study):  # contended trials run again before anything that ranks
+                    found = self.next_rerun() or self.next_frontier_trial()
                     return found if found is not None else self.next_confirmation()
                 return self.study.ask(self.space)
 
@@ -313,7 +315,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         ended = self.search_ended(self.study)
-        if ended and not self.confirm_seeds and self.after_grid() is None:
+        if ended and not self.confirm_seeds and self.after_grid() is None and not self.reruns_due():
             return ended
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
