@@ -117,12 +117,12 @@ def outcome(row: dict):
 
 def where_line(row: dict) -> str:
     threads = f", {row['threads']} thread{'s' * (row['threads'] != 1)}" if row.get("threads") else ""
-    commit = (row.get("commit") or "no commit")[:7] + (" with local changes" if row.get("dirty") else "")
+    commit = f"`{(row.get('commit') or 'no commit')[:7]}`" + (" with local changes" if row.get("dirty") else "")
     minutes = f" in {row['wall_seconds'] / 60:.1f} minutes" if row.get("wall_seconds") else ""
     share = f", {row['training_share']:.0%} of it charged training" if row.get("training_share") is not None else ""
     counts = (f"{row['trials']} trials ({row['pruned']} pruned, {row['failed']} failed, {row['contended']} "
               f"contended) and {row['confirmation_runs']} confirmation runs")
-    return (f"Measured on {row['machine']}{threads}, commit `{commit}`, {row['date']}: `{row['command']}`, "
+    return (f"Measured on {row['machine']}{threads}, commit {commit}, {row['date']}: `{row['command']}`, "
             f"{counts}{minutes}{share}.")
 
 
@@ -130,20 +130,19 @@ def _number(value, fmt: str = ".4f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def verdict_lines(verdict: dict) -> list[str]:
+def verdict_lines(verdict: dict, where: str) -> list[str]:
+    """The verdict as the result, where it was measured, and each configuration's runs."""
     if verdict["outcome"] is None:
-        return ["**No verdict**: the confirmation had too few finished runs to compare.", ""]
+        return ["**No verdict**: the confirmation had too few finished runs to compare.", "", where, ""]
     headline = HEADLINES[verdict["outcome"]].format(best=verdict["best"])
-    lines = [f"**Result: {headline}** The verdict: {verdict['text']}.", "",
+    lines = [f"**Result: {headline}** The verdict: {verdict['text']}.", "", where, "",
              "| configuration | val_bpb, each seed | overrides |", "|---|---|---|"]
     for c in verdict["configurations"]:
         overrides = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in c["params"].items())
         lines.append(f"| {c['label']} | {', '.join(f'{v:.4f}' for v in c['values'])} | "
                      f"{f'`{overrides}`' if overrides else '(the defaults)'} |")
-    low, high = verdict["interval"]
-    return lines + ["", f"The best, {verdict['best']}, minus the baseline: {verdict['difference']:+.4f} (interval "
-                        f"{low:+.4f} … {high:+.4f}); the seeds' noise {verdict['noise']:.4f}."
-                    + (f" Its command: `{verdict['command']}`." if verdict.get("command") else ""), ""]
+    return lines + ["", f"The seeds' noise (pooled standard deviation): {verdict['noise']:.4f}."
+                    + (f" The command it recommends: `{verdict['command']}`." if verdict.get("command") else ""), ""]
 
 
 def frontier_lines(frontier: dict) -> list[str]:
@@ -165,16 +164,16 @@ def frontier_lines(frontier: dict) -> list[str]:
 
 
 def row_lines(row: dict) -> list[str]:
-    lines = [where_line(row), ""]
+    where = where_line(row)
     if row.get("verdict"):
-        return lines + verdict_lines(row["verdict"])
+        return verdict_lines(row["verdict"], where)
     if row.get("frontier"):
-        return lines + frontier_lines(row["frontier"])
+        return [where, ""] + frontier_lines(row["frontier"])
     if row.get("best"):
         best = row["best"]
-        return lines + [f"**Result**: no confirmation; the best trial, {best['trial']}, scored "
-                        f"{best['value']:.4f} on one seed: `{best['command']}`.", ""]
-    return lines + ["**Result**: no trial finished.", ""]
+        return [f"**Result**: no confirmation; the best trial, {best['trial']}, scored {best['value']:.4f} on one "
+                f"seed: `{best['command']}`.", "", where, ""]
+    return ["**Result**: no trial finished.", "", where, ""]
 
 
 def section(records: list[dict], preset: str) -> str:
