@@ -22,8 +22,9 @@ from frontier.verdict import BEATS, EQUIVALENT, KEEP_DEFAULTS, UNRESOLVED
 
 RESULTS = Path("benchmarks/sweeps.jsonl")
 PAGES = (Path("README.md"), Path("docs/sweeps.md"))
-START = re.compile(r"<!-- sweep: ([\w-]+) -->")
+START = re.compile(r"^<!-- sweep: ([\w-]+) -->$", re.M)  # a marker is a line of its own: prose may name one
 END = "<!-- sweep: end -->"
+END_LINE = re.compile(rf"^{END}$", re.M)
 HEADLINES = {BEATS: "Use {best}: it beats the defaults.", KEEP_DEFAULTS: "Keep the defaults.",
              EQUIVALENT: "No difference that matters: keep the defaults.", UNRESOLVED: "Unresolved."}
 
@@ -198,14 +199,16 @@ def section(records: list[dict], preset: str) -> str:
 
 
 def with_sections(text: str, records: list[dict], where: Path) -> str:
-    """`text` with every block between `<!-- sweep: PRESET -->` and the next `<!-- sweep: end -->` rewritten."""
+    """`text` with every block between a `<!-- sweep: PRESET -->` line and the next `<!-- sweep: end -->` line
+    rewritten."""
     parts, rest = [], text
     while (found := START.search(rest)) is not None:
         body = rest[found.end():]
-        if END not in body or START.search(body.split(END, 1)[0]):
+        end = END_LINE.search(body)
+        if end is None or START.search(body, 0, end.start()):
             raise SystemExit(f"error: {where}: {found[0]} needs a {END} line before the next section")
         parts += [rest[:found.end()], "\n", section(records, found[1]), "\n", END]
-        rest = body.split(END, 1)[1]
+        rest = body[end.end():]
     return "".join(parts) + rest
 
 

@@ -187,7 +187,9 @@ def test_check_fails_when_a_section_is_out_of_date_and_the_command_brings_it_up_
         assert "**Result: Keep the defaults.**" in showcase
 
 
-def test_a_section_without_its_end_marker_is_refused():
+def test_only_a_marker_on_a_line_of_its_own_opens_a_section_and_one_without_its_end_is_refused():
+    prose = "a `<!-- sweep: PRESET -->` line and a `<!-- sweep: end -->` line\n"
+    assert sweep_results.with_sections(prose, [], ROOT / "README.md") == prose
     with pytest.raises(SystemExit, match="needs a <!-- sweep: end --> line"):
         sweep_results.with_sections("<!-- sweep: showcase -->\nold\n<!-- sweep: frontier -->\n<!-- sweep: end -->",
                                     [], ROOT / "README.md")
