@@ -354,14 +354,16 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     lines = [f"# Sweep `{study.study_name}`", "",
              f"{len(trials)} trials: " + ", ".join(f"{n} {name.lower()}" for name, n in counts.items())
              + (f"; {len(every) - len(trials)} confirmation runs" if len(every) > len(trials) else ""), ""]
-    evaluated = {t.user_attrs.get("val_tokens") for t in complete if t.user_attrs.get("val_tokens")}
+    evaluated = {t.user_attrs.get("val_fingerprint") for t in complete if t.user_attrs.get("val_fingerprint")}
     if len(evaluated) > 1:
-        lines += [f"**Warning**: these trials were evaluated on different validation sets (val_tokens "
-                  f"{', '.join(map(str, sorted(evaluated)))}): their val_bpb do not compare.", ""]
+        lines += [f"**Warning**: these trials were evaluated on different validation sets (val_fingerprint "
+                  f"{', '.join(sorted(evaluated))}): their val_bpb do not compare.", ""]
     tokens = study.user_attrs.get("eval_tokens")
     if tokens:
+        fingerprint = study.user_attrs.get("val_fingerprint")
         lines += [f"Every trial is evaluated on eval.final_tokens={tokens['final_tokens']} "
-                  f"(eval.checkpoint_tokens={tokens['checkpoint_tokens']} at each checkpoint).", ""]
+                  f"(eval.checkpoint_tokens={tokens['checkpoint_tokens']} at each checkpoint)"
+                  + (f", the validation set {fingerprint}" if fingerprint else "") + ".", ""]
     if objective == "composite":
         anchors = study.user_attrs.get("objective", {})
         lines += [f"Objective: composite = 1 - (0.5 norm(val_bpb) + 0.5 norm(core)), minimised; norm is 0 "

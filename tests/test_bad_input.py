@@ -618,6 +618,7 @@ def test_a_refused_command_says_the_same_from_a_process_of_its_own(tmp_path, mod
     ("frontier.sweep_report", ["study=s", "--help"], "python -m frontier.sweep_report study=NAME"),
     ("frontier.tracking", ["sync", "--help"], "usage: python -m frontier.tracking sync RUN_DIR"),
     ("frontier.bench", ["--help"], "bench keys: models=[tiny]"),
+    ("frontier.val_spread", ["-h"], "python -m frontier.val_spread RUN_DIR ... [documents=800]"),
 ])
 def test_a_side_command_s_help_is_its_usage_and_exit_0(module, args, usage):
     """--help had been refused as an argument that is not key=value, with exit code 2."""

@@ -355,7 +355,8 @@ class Workers:
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state == TrialState.RUNNING:
             reason = killed or describe_exit(returncode, run_dir / "output.log")
-            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"))
+            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"),
+                                          self.study.user_attrs.get("val_fingerprint"))
             end_trial(self.study, trial._trial_id, state, value, attrs)
             frozen = storage.get_trial(trial._trial_id)
         with self.lock:
