@@ -213,22 +213,11 @@ def with_sections(text: str, records: list[dict], where: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    check = "--check" in argv
     root = Path(next((a for a in argv if not a.startswith("-")), "."))
     results = root / RESULTS
     records = bench_results.load(results) if results.is_file() else []
-    stale = []
-    for page in PAGES:
-        text = (root / page).read_text()
-        new = with_sections(text, records, page)
-        if new != text:
-            stale.append(str(page))
-            if not check:
-                (root / page).write_text(new)
-    if check and stale:
-        print(f"out of date: {', '.join(stale)}; run python -m frontier.sweep_results", file=sys.stderr)
-        return 1
-    return 0
+    return bench_results.rewrite(root, PAGES, lambda text, page: with_sections(text, records, page),
+                                 "--check" in argv, "frontier.sweep_results")
 
 
 if __name__ == "__main__":
