@@ -117,7 +117,8 @@ def outcome(row: dict):
 
 
 def where_line(row: dict) -> str:
-    threads = f", {row['threads']} thread{'s' * (row['threads'] != 1)}" if row.get("threads") else ""
+    cpu = row["machine"].startswith("CPU") and row.get("threads")  # a GPU row's threads are the recorder's
+    threads = f", {row['threads']} thread{'s' * (row['threads'] != 1)}" if cpu else ""
     commit = f"`{(row.get('commit') or 'no commit')[:7]}`" + (" with local changes" if row.get("dirty") else "")
     minutes = f" in {row['wall_seconds'] / 60:.1f} minutes" if row.get("wall_seconds") else ""
     share = f", {row['training_share']:.0%} of it charged training" if row.get("training_share") is not None else ""

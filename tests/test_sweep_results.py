@@ -139,9 +139,10 @@ def test_two_latest_runs_that_disagree_are_both_shown_and_said_to_disagree(tmp_p
     agreeing = sweep_results.section([first, second, again], "showcase")
     assert "disagree" not in agreeing and agreeing.count("Measured on") == 1
     assert "The run before on this machine class (2026-12-02" in agreeing and "gave the same answer" in agreeing
-    elsewhere = {**first, "machine": "NVIDIA H200", "threads": None}  # another machine class: its own result
+    elsewhere = {**first, "machine": "NVIDIA H200"}  # another machine class: its own result
     both = sweep_results.section([second, elsewhere], "showcase")
     assert "disagree" not in both and both.index("Keep the defaults.") < both.index("NVIDIA H200")
+    assert "Measured on NVIDIA H200, commit" in both
 
 
 def test_a_frontier_row_gives_each_budgets_optimum_interval_and_command(tmp_path):
