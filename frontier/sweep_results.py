@@ -182,8 +182,8 @@ def section(records: list[dict], preset: str) -> str:
     """The block for one preset: each machine class's latest row, and the one before where they disagree."""
     machines = latest(records, preset)
     if not machines:
-        return "\n".join([f"Not measured at this version yet: no `sweep={preset}` has been recorded in "
-                          f"`{RESULTS}`. These commands measure it and record the result:", "", "```bash",
+        return "\n".join([f"Not measured at this version yet: no `sweep={preset}` has been recorded in `{RESULTS}`.",
+                          "These commands measure it and record the result:", "", "```bash",
                           f"python -m frontier.train --multirun sweep={preset}",
                           f"python -m frontier.sweep_report study={preset} results={RESULTS}",
                           "python -m frontier.sweep_results   # rewrites this section", "```"])
