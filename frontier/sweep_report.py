@@ -1,4 +1,4 @@
-"""`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
+"""`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR] [results=FILE]`: what a sweep found.
 
 Writes report.md (the best trial and the command that reproduces it, or once the best configurations
 were confirmed against the baseline with new seeds the verdict (frontier/verdict.py) and the command it
@@ -10,7 +10,8 @@ importances, the confirmed configurations and each one's interval against the ba
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
 compute-optimal shape (frontier/shapes.py: frontier.png, speed.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
-<sweep dir>/report when it finishes.
+<sweep dir>/report when it finishes. `results=FILE` (benchmarks/sweeps.jsonl) also appends the
+finished sweep's result to FILE with where it ran (frontier/sweep_results.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from frontier.verdict import BEATS, EQUIVALENT, KEEP_DEFAULTS  # noqa: E402
 from hydra_plugins.frontier_sweeper._confirm import BASELINE, confirmed_runs, verdict_of  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
-USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
+USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR] [results=FILE]"
 
 
 def objective_name(study: optuna.Study) -> str:
@@ -495,7 +496,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path, verdict=None) -> str |
 def main(argv: list[str]) -> int:
     print_help_if_asked(argv, __doc__)
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
-    if "study" not in args or set(args) - {"study", "storage", "out"} or len(args) != len(argv):
+    if "study" not in args or set(args) - {"study", "storage", "out", "results"} or len(args) != len(argv):
         print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)
         return 2
     name = args["study"]
@@ -526,12 +527,23 @@ def main(argv: list[str]) -> int:
     out = Path(args.get("out") or Path(study.user_attrs.get("sweep_dir", ".")) / "report")
     try:
         check_writable_path("out", out)
+        if args.get("results"):
+            check_writable_path("results", Path(args["results"]).parent)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     report = write_report(study, out)
     print(report["text"])
     print(f"files: {', '.join(str(f) for f in report['files'])}")
+    if args.get("results"):
+        from frontier.sweep_results import record
+
+        try:
+            row = record(study, report, Path(args["results"]), argv)
+        except ConfigError as err:  # a device the trials ran on that this machine lacks: not where it ran
+            print(f"error: results={args['results']} is not allowed here: {err}", file=sys.stderr)
+            return 2
+        print(f"recorded in {args['results']}: {row['machine']}, commit {(row['commit'] or 'none')[:7]}")
     try:
         run_id = log_to_parent_run(study, out, (report["confirmation"] or {}).get("verdict"))
         if run_id:
