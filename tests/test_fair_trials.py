@@ -147,7 +147,7 @@ def test_the_report_and_the_confirmation_rank_the_re_run_not_the_slowed_trial(tm
     assert "| 1 | 4 (re-run of 0) |" in top and "| 0 |" not in top
     contended_part = text.split("## Contended")[1].split("##")[0]
     assert "| 0 | 5,000 | 24% of 21,000 | 3 | AMD EPYC cpu, 2 threads | trial 4: complete, 2.9000 |" in contended_part
-    plan = make_plan(study, top=2, seeds=2, run_seed=0)
+    plan = make_plan(study, top=2, blocks=2, max_blocks=4, run_seed=0, order_seed=0, equivalence=0.002)
     assert [c["label"] for c in plan["configs"]] == ["baseline", "trial 4", "trial 1"]
 
 
