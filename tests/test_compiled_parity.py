@@ -54,7 +54,7 @@ def make_run(kernel: str) -> Run:
     model, step_model = build(config, VOCAB, device)
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind)
     loader = MarkovRows(config.train.batch_tokens // config.model.seq_len, config.model.seq_len)
-    return Run(config, raw, Path("."), device, model, step_model, None, loader, None, optimizers,
+    return Run(config, raw, Path("."), device, model, step_model, None, loader, None, None, optimizers,
                BudgetClock(config.budget), World())
 
 
