@@ -455,6 +455,8 @@ class SweepConfig:
     confirm_max: Optional[int] = None  # blocks at most while the verdict is unresolved; null: twice `confirm`
     equivalence: float = 0.002  # the val_bpb difference that does not matter: ~1 place in the competition's top 10
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
+    ladder: Optional[list[float]] = None  # increasing budgets: the best `promote` share of a rung trains the next
+    promote: float = 1 / 3  # the share of a rung's finished configurations that climbs (frontier/ladder.py)
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
     # seeds each of the predicted optimum's nearest shape and its two neighbours trains after a frontier's fit
     validate: int = 0
@@ -503,13 +505,9 @@ class SweepConfig:
         _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence, "a val_bpb difference >= 0")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
-        if self.budgets is not None:
-            _require(len(self.budgets) >= 1 and all(b > 0 for b in self.budgets)
-                     and len(set(self.budgets)) == len(self.budgets), "sweep.budgets", list(self.budgets),
-                     "distinct positive seconds, e.g. [60, 240], or null for budget.seconds")
-            _require(len(self.budgets) == 1 or self.pruner == "none", "sweep.pruner", self.pruner,
-                     f"none with several sweep.budgets={list(self.budgets)}: a pruner compares trials at equal "
-                     "fractions of their budgets, which are not equal wall-clock across budgets")
+        from frontier.ladder import check_budget_keys  # here, not above: frontier.ladder imports this module
+
+        check_budget_keys(self)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from frontier.config import FRONTIER_EXTENSION, ConfigError, SweepConfig
+from frontier.ladder import RUNG
 
 
 def normalise(value: float, worst: float, best: float) -> float:
@@ -98,9 +99,9 @@ def trial_values(objective: dict | None, summary: dict) -> tuple[list[float] | N
 
 def counted_trials(study: optuna.Study, count_failed: bool) -> int:
     """Search trials that count toward sweep.n_trials: all of them, or all but the failed ones
-    (confirmation runs and a frontier's steps beyond its bracket never count)."""
-    trials = [t for t in study.get_trials(deepcopy=False)
-              if t.user_attrs.get("confirm") is None and not t.user_attrs.get(FRONTIER_EXTENSION)]  # searched
+    (confirmation runs, a frontier's steps beyond its bracket and a ladder's climbs never count)."""
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("confirm") is None
+              and not t.user_attrs.get(FRONTIER_EXTENSION) and t.user_attrs.get(RUNG) is None]  # searched
     return len(trials) if count_failed else sum(t.state != TrialState.FAIL for t in trials)
 
 
