@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from frontier import paths, sizing  # noqa: F401  (sizing registers ${frontier.sized:...})
+from frontier import budget_keys, paths, sizing  # noqa: F401  (sizing registers ${frontier.sized:...})
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the source tree (git tags); files go under paths.home()
 
@@ -505,9 +505,7 @@ class SweepConfig:
         _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence, "a val_bpb difference >= 0")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
-        from frontier.ladder import check_budget_keys  # here, not above: frontier.ladder imports this module
-
-        check_budget_keys(self)
+        budget_keys.check(self, _require)
 
 
 @dataclass

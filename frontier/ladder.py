@@ -3,8 +3,8 @@
 Each configuration the sampler proposes trains at the ladder's first budget; the best `sweep.promote`
 share of a rung's finished configurations trains again at the next budget (a schedule keyed to its budget
 is no longer run continued: hydra_plugins/frontier_sweeper/_ladder.py decides what climbs), and the
-baseline trains at every rung. This module holds the keys' checks and the report's section: val_bpb per
-configuration across rungs, the Spearman correlation of consecutive rungs with a bootstrap interval, the
+baseline trains at every rung. This module is the sweep report's section (its keys' checks are in
+frontier/budget_keys.py): val_bpb per configuration across rungs, the Spearman correlation of consecutive rungs with a bootstrap interval, the
 best value of each searched key per rung and, with three rungs or more, a fit of log(best learning rate)
 against log(budget) extrapolated to the competition's budgets.
 """
@@ -14,43 +14,12 @@ import math
 import random
 from pathlib import Path
 
-from frontier.config import FRONTIER_BUDGET as BUDGET, ConfigError
+from frontier.config import FRONTIER_BUDGET as BUDGET
 
 RUNG, PROMOTED_FROM, BASELINE = "rung", "promoted_from", "ladder_baseline"  # a climbing trial's user attributes
 RESAMPLES = 1000
 COMPETITION = {"phase 1": 1800.0, "phase 2": 14400.0}  # the competition's budgets in seconds
 TITLE = "## Budget ladder: do short runs rank like long ones?"
-
-
-def check_budget_keys(sweep) -> None:
-    """sweep.budgets and sweep.ladder (a SweepConfig's checks, kept here beside what the ladder does)."""
-    if sweep.budgets is not None:
-        _require(len(sweep.budgets) >= 1 and all(b > 0 for b in sweep.budgets)
-                 and len(set(sweep.budgets)) == len(sweep.budgets), "sweep.budgets", list(sweep.budgets),
-                 "distinct positive seconds, e.g. [60, 240], or null for budget.seconds")
-        _require(len(sweep.budgets) == 1 or sweep.pruner == "none", "sweep.pruner", sweep.pruner,
-                 f"none with several sweep.budgets={list(sweep.budgets)}: a pruner compares trials at equal "
-                 "fractions of their budgets, which are not equal wall-clock across budgets")
-    _require(0 < sweep.promote < 1, "sweep.promote", sweep.promote,
-             "the share of a rung's finished configurations that climbs, between 0 and 1 (e.g. 0.333)")
-    if sweep.ladder is None:
-        return
-    rungs = list(sweep.ladder)
-    _require(len(rungs) >= 2 and all(r > 0 for r in rungs) and all(a < b for a, b in zip(rungs, rungs[1:])),
-             "sweep.ladder", rungs, "at least two increasing positive budgets in seconds, e.g. [30, 120, 480], "
-             "or null for no ladder")
-    _require(sweep.budgets is None, "sweep.budgets", list(sweep.budgets or []),
-             f"null with sweep.ladder={rungs}: the ladder sets each trial's budget")
-    _require(sweep.frontier is None, "sweep.ladder", rungs,
-             "null in a frontier sweep, whose shapes each train every budget of sweep.budgets")
-    _require(sweep.pruner == "none", "sweep.pruner", sweep.pruner,
-             f"none with sweep.ladder={rungs}: a pruner compares trials at equal fractions of their budgets, "
-             "which mixes the ladder's rungs")
-
-
-def _require(ok: bool, key: str, value, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
 
 def rung_of(trial) -> int:
@@ -230,7 +199,9 @@ def report_lines(study) -> list[str]:
               "| rung | wall s | share of the ladder | training share |", "|---|---|---|---|"]
     lines += [f"| {t['seconds']:g} s | {t['wall']:.0f} | {t['wall_share']:.0%} | {t['training_share']:.0%} |"
               for t in found["time"]]
-    return lines + ["", "The top rung's winner against the baseline: the confirmation below (its verdict above).", ""]
+    confirmed = ("the confirmation below (its verdict above)" if study.user_attrs.get("confirm_plan")
+                 else "not confirmed (sweep.confirm=0, or the top rung had no finished configuration)")
+    return lines + ["", f"The top rung's winner against the baseline: {confirmed}.", ""]
 
 
 def plot(study, out_dir: Path) -> list[Path]:

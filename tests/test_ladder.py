@@ -20,6 +20,7 @@ from frontier.ladder import (BASELINE, PROMOTED_FROM, RUNG, best_per_rung, boots
 from frontier.study import open_storage
 from hydra_plugins.frontier_sweeper._ladder import next_climb
 from tests.conftest import ROOT, SWEEP_TINY
+from tests.test_sweep_time import start_until
 
 LR = "optim.matrix_lr"
 RUNGS = [30.0, 120.0, 480.0]
@@ -153,7 +154,7 @@ def test_a_ladder_sweep_climbs_confirms_at_the_top_rung_and_reports(wiki, tmp_pa
     assert all(t.state == TrialState.COMPLETE for t in trials)
     proposals = [t for t in trials if RUNG not in t.user_attrs and "confirm" not in t.user_attrs]
     climbs = [t for t in trials if PROMOTED_FROM in t.user_attrs]
-    assert len(proposals) == 3 and len(climbs) == 1  # n_trials counts the proposals; floor(3 x 0.334) climbs
+    assert len(proposals) == 3 and len(climbs) == 1  # n_trials counts the proposals; floor(3 x 1/3) climbs
     best = min(proposals, key=lambda t: (t.value, t.number))
     assert climbs[0].user_attrs[PROMOTED_FROM] == best.number and climbs[0].params[LR] == best.params[LR]
     assert sorted(t.user_attrs[RUNG] for t in trials if t.user_attrs.get(BASELINE)) == [0, 1]
@@ -166,3 +167,29 @@ def test_a_ladder_sweep_climbs_confirms_at_the_top_rung_and_reports(wiki, tmp_pa
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "## Budget ladder" in report and "| 2 s | 4 s | 2 |" in report  # both configurations at both rungs
     assert "**Verdict**: " in report and (tmp_path / "sweep" / "report" / "ladder.png").is_file()
+
+
+def test_a_ladder_killed_between_rungs_completes_on_a_rerun_with_nothing_repeated_or_lost(wiki, tmp_path):
+    """kill -9 of the driver while the first climb trains: the same command runs the climb again (its
+    first run failed with its driver), proposes no more, and completes the ladder."""
+    storage = str(tmp_path / "study.journal")
+    args = [*[o for o in SWEEP_TINY if not o.startswith("eval.core")], "sweep=ladder", "sweep.ladder=[2,4]",
+            "sweep.n_trials=3", "sweep.n_jobs=1", "sweep.confirm=0", f"sweep.storage={storage}",
+            "sweep.study_name=ladder"]
+    command = [sys.executable, "-m", "frontier.train", "--multirun", *args]
+    driver, seen = start_until(command + [f"hydra.sweep.dir={tmp_path / 'a'}"], f"{BUDGET}=4.0")
+    driver.kill()
+    driver.wait(timeout=60)
+    assert f"{BUDGET}=4.0" in seen[-1], "".join(seen)[-3000:]
+    done = subprocess.run(command + [f"hydra.sweep.dir={tmp_path / 'b'}"], cwd=ROOT, text=True, timeout=900,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert done.returncode == 0, done.stdout[-3000:]
+    trials = optuna.load_study(study_name="ladder", storage=open_storage(storage)).get_trials()
+    finished = [(t.user_attrs.get(RUNG, 0), t.params.get(LR)) for t in trials if t.state == TrialState.COMPLETE]
+    assert sorted(finished, key=str) == sorted(set(finished), key=str)  # nothing twice at a rung
+    assert len([t for t in trials if RUNG not in t.user_attrs]) == 3  # no proposal repeated
+    assert sorted(rung for rung, lr in finished if lr is None) == [0, 1]  # the baseline at both rungs
+    climbs = [t for t in trials if PROMOTED_FROM in t.user_attrs]
+    assert [t.state for t in climbs] == [TrialState.FAIL, TrialState.COMPLETE]  # killed, then run again
+    assert climbs[0].params == climbs[1].params
+
