@@ -131,7 +131,7 @@ def time_training_step(raw, bench: BenchConfig) -> dict:
     model, step_model = build(config, vocab, device)
     optimizers = build_optimizers(model.param_groups(), config.optim, device.kind)
     loader = RandomRows(config.train.batch_tokens // config.model.seq_len, config.model.seq_len, vocab)
-    run = Run(config, raw, Path("."), device, model, step_model, None, loader, None, optimizers,
+    run = Run(config, raw, Path("."), device, model, step_model, None, loader, None, None, optimizers,
               BudgetClock(config.budget, device.synchronize), World())
     print(f"timing {config.model.name} {config.kernel.name}: {bench.warmup} warm-up and {bench.steps} steps", flush=True)
     for _ in range(bench.warmup):

@@ -157,23 +157,29 @@ def with_table(text: str, name: str, table: str, where: Path) -> str:
     return f"{before}{start}\n{table}\n{END}{after}"
 
 
-def main(argv: list[str]) -> int:
-    check = "--check" in argv
-    root = Path(next((a for a in argv if not a.startswith("-")), "."))
-    records = load(root / RESULTS)
-    tables = {"page": page_table(records), "summary": summary_table(records)}
+def rewrite(root: Path, pages, render, check: bool, command: str) -> int:
+    """Each page through `render(text, page)`, written back; with `check` nothing is written, and a page
+    that would change is named on stderr with exit code 1."""
     stale = []
-    for page, name in PAGES.items():
+    for page in pages:
         text = (root / page).read_text()
-        new = with_table(text, name, tables[name], page)
+        new = render(text, page)
         if new != text:
             stale.append(str(page))
             if not check:
                 (root / page).write_text(new)
     if check and stale:
-        print(f"out of date: {', '.join(stale)}; run python -m frontier.bench_results", file=sys.stderr)
+        print(f"out of date: {', '.join(stale)}; run python -m {command}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str]) -> int:
+    root = Path(next((a for a in argv if not a.startswith("-")), "."))
+    records = load(root / RESULTS)
+    tables = {"page": page_table(records), "summary": summary_table(records)}
+    return rewrite(root, PAGES, lambda text, page: with_table(text, PAGES[page], tables[PAGES[page]], page),
+                   "--check" in argv, "frontier.bench_results")
 
 
 if __name__ == "__main__":

@@ -446,11 +446,9 @@ class SweepConfig:
     reduction_factor: int = 3  # hyperband, successive_halving: keep 1 in this many at each rung
     heartbeat_interval: int = 30  # seconds between a running trial's (and a driver's) heartbeats
     grace_period: int = 120  # a trial silent this long is killed and FAIL; a silent driver is gone
-    # a trial running longer is killed and FAIL; null: budget.seconds + budget.startup_cap_seconds
-    # + an evaluation allowance (default_trial_timeout in hydra_plugins/frontier_sweeper/_study.py)
+    # a trial running longer is killed and FAIL; null: its budget, startup cap and an evaluation allowance
     trial_timeout: Optional[float] = None
-    # blocks (a new seed each) of the `confirm_top` best and the baseline after the search; null: 3 for >= 8 trials
-    confirm: Optional[int] = None
+    confirm: Optional[int] = None  # blocks (a seed each) of the best and the baseline; null: 3 for >= 8 trials
     confirm_top: int = 2  # how many of the best configurations are confirmed
     confirm_max: Optional[int] = None  # blocks at most while the verdict is unresolved; null: twice `confirm`
     equivalence: float = 0.002  # the val_bpb difference that does not matter: ~1 place in the competition's top 10
@@ -458,8 +456,8 @@ class SweepConfig:
     ladder: Optional[list[float]] = None  # increasing budgets: the best `promote` share of a rung trains the next
     promote: float = 1 / 3  # the share of a rung's finished configurations that climbs (frontier/ladder.py)
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
-    # seeds each of the predicted optimum's nearest shape and its two neighbours trains after a frontier's fit
-    validate: int = 0
+    validate: int = 0  # seeds of the frontier fit's optimum shape and its two neighbours, trained after the fit
+    min_relative_speed: float = 0.8  # below this share of its shape's median tokens/s a trial is contended
 
     def __post_init__(self) -> None:
         _choice("sweep.sampler", self.sampler, SAMPLERS)
@@ -495,6 +493,8 @@ class SweepConfig:
                  "seeds per confirmed configuration: 0 (off), a positive integer, or null (3 for >= 8 trials)")
         _require(self.confirm != 1, "sweep.confirm", self.confirm,
                  "at least 2 seeds, or the seeds' noise cannot be measured; 0 turns confirmation off")
+        _require(0 < self.min_relative_speed <= 1, "sweep.min_relative_speed", self.min_relative_speed,
+                 "a fraction in (0, 1] of the median speed of a trial's peers")
         _require(self.confirm_top >= 1, "sweep.confirm_top", self.confirm_top, "must be a positive integer")
         _require(self.validate == 0 or (self.validate >= 2 and self.frontier is not None), "sweep.validate",
                  self.validate, "0 (off), or at least 2 seeds (a comparison needs each shape's spread) on a "

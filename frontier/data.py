@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -431,30 +432,34 @@ class PackedLoader:
     """Best-fit packing of whole documents into rows of seq_len + 1 tokens, each starting at BOS.
 
     From a buffer of documents, each row takes the longest document that still fits; when none
-    fits, the shortest is cropped to fill the row. Deterministic for a seed; `state_dict` holds
-    the position so that a resumed run sees the same rows.
+    fits, the shortest is cropped to fill the row (its tail is never used). Documents come in a
+    seeded shuffle per epoch, endlessly, or once each in `order`: the row where they run out is
+    filled with BOS, whose targets count no bytes. Deterministic for a seed; `state_dict` holds the
+    position so that a resumed run sees the same rows.
     """
 
     def __init__(self, corpus: TokenCorpus, seq_len: int, rows: int, seed: int = 0,
-                 shuffle: bool = True, buffer_size: int = 256):
+                 order: np.ndarray | None = None, buffer_size: int = 256):
         self.corpus = corpus
         self.row_len = seq_len + 1
         self.rows = rows
         self.seed = seed
-        self.shuffle = shuffle
+        self.given_order = order
         self.lengths = corpus.doc_lengths()
         self.epoch, self.cursor = 0, 0
         self.order = self._order(0)
-        size = min(buffer_size, corpus.num_documents)
+        size = min(buffer_size, len(self.order))
         self.buffer = np.array([self._next_doc() for _ in range(size)], dtype=np.int64)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.corpus.num_documents)
+        if self.given_order is not None:
+            return self.given_order
         return np.random.default_rng([self.seed, epoch]).permutation(self.corpus.num_documents)
 
-    def _next_doc(self) -> int:
+    def _next_doc(self) -> int | None:
         if self.cursor == len(self.order):
+            if self.given_order is not None:
+                return None  # each document of a given order once
             self.epoch += 1
             self.order = self._order(self.epoch)
             self.cursor = 0
@@ -462,11 +467,12 @@ class PackedLoader:
         self.cursor += 1
         return doc
 
-    def next_rows(self) -> np.ndarray:
+    def next_rows(self, sources: np.ndarray | None = None) -> np.ndarray:
+        """The next rows; `sources`, of the same shape, receives the document index of every token."""
         out = np.empty((self.rows, self.row_len), dtype=np.int64)
         for r in range(self.rows):
             pos = 0
-            while pos < self.row_len:
+            while pos < self.row_len and len(self.buffer):
                 remaining = self.row_len - pos
                 lengths = self.lengths[self.buffer]
                 fits = np.where(lengths <= remaining, lengths, -1)
@@ -474,9 +480,20 @@ class PackedLoader:
                 if fits[slot] < 0:  # nothing fits whole: crop the shortest document
                     slot = int(lengths.argmin())
                 take = min(int(lengths[slot]), remaining)
-                out[r, pos:pos + take] = self.corpus.document(int(self.buffer[slot]))[:take]
+                doc = int(self.buffer[slot])
+                out[r, pos:pos + take] = self.corpus.document(doc)[:take]
+                if sources is not None:
+                    sources[r, pos:pos + take] = doc
                 pos += take
-                self.buffer[slot] = self._next_doc()
+                doc = self._next_doc()
+                if doc is None:
+                    self.buffer = np.delete(self.buffer, slot)
+                else:
+                    self.buffer[slot] = doc
+            if pos < self.row_len:  # a given order ran out
+                out[r, pos:] = self.corpus.tokens[0]  # BOS: every document starts with it
+                if sources is not None:
+                    sources[r, pos:] = sources[r, pos - 1] if pos else -1
         return out
 
     def state_dict(self) -> dict:
@@ -489,17 +506,79 @@ class PackedLoader:
         self.buffer = np.asarray(state["buffer"], dtype=np.int64)
 
 
-def validation_rows(corpus: TokenCorpus, seq_len: int, max_tokens: int) -> torch.Tensor:
-    """The fixed validation set: rows packed in file order, without ever repeating a document."""
-    want = max(1, -(-max_tokens // seq_len))
-    loader = PackedLoader(corpus, seq_len, rows=1, shuffle=False, buffer_size=32)
-    rows = []
-    # The buffer reads ahead, so stop once it has wrapped: later rows would repeat documents.
-    while len(rows) < want and loader.epoch == 0:
-        rows.append(loader.next_rows()[0])
-    if loader.epoch > 0 and len(rows) > 1:
-        rows.pop()
+# ---------------------------------------------------------------------------------------------
+# The validation set
+
+VALIDATION_SEED = 0  # the one selection every run scores on; another seed is another validation set
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def spread_order(documents: int, seed: int = VALIDATION_SEED) -> np.ndarray:
+    """Every document index of a split, ordered so that each prefix is spread evenly over the split.
+
+    Document i's key is frac(i * golden ratio + offset), the offset drawn from `seed`; sorted by key,
+    the first n documents are those whose key is below some t, and by Slater's three-gap theorem
+    their indices lie about 1/t apart, with at most three distinct gap sizes, over the whole split.
+    So any number of documents is an even, stratified spread (a random prefix clusters, and can miss
+    a quarter of the split when it is small), and a shorter prefix is a subset of a longer one."""
+    offset = np.random.default_rng(seed).random()
+    keys = np.mod(np.arange(documents, dtype=np.float64) * GOLDEN + offset, 1.0)
+    return np.argsort(keys, kind="stable")
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """Rows to score and, for each target, the document it belongs to."""
+
+    rows: torch.Tensor  # (N, seq_len + 1), each row starting at BOS
+    target_docs: torch.Tensor  # (N, seq_len): for target rows[:, 1:], its position in `documents`
+    documents: np.ndarray  # the split's indices of the documents scored, sorted
+    split_documents: int  # documents in the whole split: the population the set is drawn from
+    tokenizer: str  # the fingerprint of the tokenizer that made the rows
+
+    @classmethod
+    def of(cls, rows: np.ndarray, targets: np.ndarray, split_documents: int, tokenizer: str) -> "ValidationSet":
+        """From rows and the split's index of the document of each of their targets (rows[:, 1:])."""
+        documents, slots = np.unique(targets, return_inverse=True)
+        slots = slots.reshape(len(rows), -1).astype(np.int32)  # half the memory of int64 for a full-size set
+        return cls(torch.from_numpy(rows), torch.from_numpy(slots), documents, split_documents, tokenizer)
+
+    def head(self, tokens: int) -> "ValidationSet":
+        """The first rows holding `tokens` targets (at least one row): the same selection's first documents."""
+        rows = max(1, -(-tokens // (self.rows.size(1) - 1)))
+        targets = self.documents[self.target_docs[:rows].numpy()]
+        return ValidationSet.of(self.rows[:rows].numpy(), targets, self.split_documents, self.tokenizer)
+
+    def fingerprint(self) -> str:
+        """What a val_bpb was scored on: the token ids, the document each target belongs to, the tokenizer.
+        Equal for two runs exactly when they scored the same tokens of the same text the same way."""
+        digest = xxhash.xxh3_64()
+        digest.update(f"{tuple(self.rows.shape)} {self.tokenizer}".encode())
+        for array in (self.rows.numpy(), self.documents[self.target_docs.numpy()]):
+            digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+        return digest.hexdigest()
+
+
+def validation_set(corpus: TokenCorpus, tokenizer: Tokenizer, seq_len: int, max_tokens: int,
+                   documents: int | None = None, seed: int = VALIDATION_SEED) -> ValidationSet:
+    """The fixed validation set: documents taken in `spread_order` (evenly across the whole split; the
+    first `documents` of it when given), each once, into BOS-led rows of seq_len + 1 tokens until they
+    hold `max_tokens` targets or the documents are used up.
+
+    A document goes whole into the room its row has left, or is cropped to that room (its tail is not
+    scored, so no byte is scored twice), and the next starts where it ends. Packed in this order, not
+    best-fit as training rows are: best-fit would pick the longest documents of a read-ahead buffer
+    first, so a small set (the checkpoint set) would be neither a prefix of the order nor spread, and
+    would favour long documents. So the first rows of a set are the set of fewer tokens."""
     if corpus.num_tokens < seq_len + 1:
         raise DataError(f"the validation split has {corpus.num_tokens} tokens, fewer than one row of "
                         f"model.seq_len + 1 = {seq_len + 1}")
-    return torch.from_numpy(np.stack(rows))
+    want = max(1, -(-max_tokens // seq_len))
+    order = spread_order(corpus.num_documents, seed)[:documents]
+    loader = PackedLoader(corpus, seq_len, rows=1, order=order, buffer_size=1)
+    rows, sources = [], []
+    while len(rows) < want and len(loader.buffer):
+        source = np.empty((1, seq_len + 1), dtype=np.int64)
+        rows.append(loader.next_rows(source)[0])
+        sources.append(source[0])
+    return ValidationSet.of(np.stack(rows), np.stack(sources)[:, 1:], corpus.num_documents, tokenizer.fingerprint())

@@ -3,7 +3,9 @@ val_bpb) of a finished run, logged to its MLflow run as `core`, `core_tasks` and
 
 Keys: checkpoint (a run's final.pt) or run_id (an MLflow run, whose checkpoint is found and to which
 the figures go); device=auto|cpu|cuda|cuda:N|neuron; precision=auto|bf16|fp32; core=true;
-val_bpb=false; eval.KEY and tracking.KEY as in training (e.g. eval.core_max_per_task=50).
+val_bpb=false; val_documents=N (val_bpb on the first N documents of the validation split's spread
+order instead of the run's eval.final_tokens: printed, not logged, as the run's own val_bpb is that of
+its set); eval.KEY and tracking.KEY as in training (e.g. eval.core_max_per_task=50).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class EvalCommand:
     precision: str = "auto"  # bf16 where the device computes it natively, else fp32
     core: bool = True
     val_bpb: bool = False
+    val_documents: Optional[int] = None  # val_bpb over this many documents spread across the split
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -52,6 +55,8 @@ def parse(argv: list[str]) -> EvalCommand:
         raise ConfigError(f"{arg} is not allowed: {text}" if arg else text) from None
     if (command.checkpoint is None) == (command.run_id is None):
         raise ConfigError("give exactly one of checkpoint=PATH or run_id=ID")
+    if command.val_documents is not None and command.val_documents < 1:
+        raise ConfigError(f"val_documents={command.val_documents} is not allowed: give a positive number of documents")
     check_device(command.device)
     return command
 
@@ -92,12 +97,13 @@ def main(argv: list[str]) -> dict:
     metrics: dict = {}
     if command.core:
         metrics.update(core_metrics(model, tokenizer, command.eval, device, model.config.seq_len))
-    if command.val_bpb:
-        metrics.update(validation_bpb(saved, model, tokenizer, command, device))
+    if command.val_bpb or command.val_documents:
+        metrics.update(validation_bpb(saved, model, tokenizer, device, command.eval, command.val_documents))
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
-    if run_id is not None and command.tracking.enabled:
-        log_to_run(command, path, run_id, metrics)
+    logged = {k: v for k, v in metrics.items() if not (command.val_documents and k.startswith("val_"))}
+    if run_id is not None and command.tracking.enabled and logged:
+        log_to_run(command, path, run_id, logged)
     return metrics
 
 
@@ -138,17 +144,21 @@ def log_to_run(command: EvalCommand, path: Path, run_id: str, metrics: dict) -> 
     print(f"logged to MLflow run {run_id}")
 
 
-def validation_bpb(saved: dict, model, tokenizer, command: EvalCommand, device) -> dict:
-    """val_bpb on the validation split the checkpoint's run (`saved`: its config) trained against."""
-    from frontier.data import load_corpus, resolve_splits, validation_rows
+def validation_bpb(saved: dict, model, tokenizer, device, eval_cfg: EvalConfig, documents: int | None = None) -> dict:
+    """val_bpb, its standard error and the fingerprint of the rows, on the validation split the
+    checkpoint's run (`saved`: its config) trained against: over eval.final_tokens, or over the first
+    `documents` of the split's spread order."""
+    from frontier.data import load_corpus, resolve_splits, validation_set
     from frontier.evaluate import val_bpb
 
     data_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved["data"]))
     _, val_split = resolve_splits(data_cfg)
-    rows = validation_rows(load_corpus(val_split, tokenizer, data_cfg, "val"), model.config.seq_len,
-                           command.eval.final_tokens)
-    bpb, tokens = val_bpb(model, rows, tokenizer.token_bytes, device, command.eval.batch_rows)
-    return {"val_bpb": bpb, "val_tokens": tokens}
+    corpus = load_corpus(val_split, tokenizer, data_cfg, "val")
+    tokens = corpus.num_tokens if documents else eval_cfg.final_tokens
+    vset = validation_set(corpus, tokenizer, model.config.seq_len, tokens, documents)
+    score = val_bpb(model, vset, tokenizer.token_bytes, device, eval_cfg.batch_rows)
+    return {"val_bpb": score.val_bpb, "val_bpb_se": score.se, "val_tokens": score.tokens,
+            "val_documents": score.documents, "val_fingerprint": vset.fingerprint()}
 
 
 @command

@@ -17,6 +17,7 @@ from pathlib import Path
 from frontier.config import FRONTIER_BUDGET as BUDGET
 
 RUNG, PROMOTED_FROM, BASELINE = "rung", "promoted_from", "ladder_baseline"  # a climbing trial's user attributes
+LADDER_ATTRS = (RUNG, PROMOTED_FROM, BASELINE)
 RESAMPLES = 1000
 COMPETITION = {"phase 1": 1800.0, "phase 2": 14400.0}  # the competition's budgets in seconds
 TITLE = "## Budget ladder: do short runs rank like long ones?"
@@ -33,12 +34,13 @@ def configuration(params: dict) -> tuple:
 
 # -- the report ------------------------------------------------------------------------------------------
 
-def table(trials: list, rungs: int) -> dict[tuple, dict]:
+def table(trials: list, rungs: int, contended=()) -> dict[tuple, dict]:
     """Per configuration: its label ("baseline" or its first trial) and its best val_bpb at each rung it
-    finished (finished search trials only; confirmation runs are not the ladder's)."""
+    finished (finished search trials only: not confirmation runs, nor a contended trial, whose re-run counts)."""
     rows: dict[tuple, dict] = {}
     for trial in sorted(trials, key=lambda t: t.number):
-        if trial.user_attrs.get("confirm") is not None or trial.value is None or rung_of(trial) >= rungs:
+        if (trial.user_attrs.get("confirm") is not None or trial.value is None or rung_of(trial) >= rungs
+                or str(trial.number) in contended):
             continue
         key = configuration(trial.params)
         row = rows.setdefault(key, {"label": "baseline" if trial.user_attrs.get(BASELINE) else f"trial {trial.number}",
@@ -146,7 +148,7 @@ def summary(study) -> dict | None:
         return None
     rungs = described["rungs"]
     trials = study.get_trials(deepcopy=False)
-    rows = table(trials, len(rungs))
+    rows = table(trials, len(rungs), study.user_attrs.get("contended", {}))
     best = best_per_rung(rows, rungs)
     keys = sorted({key for row in rows.values() for key, _ in row["params"].items()})
     fits = [found for key in keys if key.endswith("lr") and (found := lr_fit(rungs, best, key))]

@@ -11,6 +11,10 @@ shortens the printout, it does not change the normalisation.
 A configuration trained with several seeds (a sweep's confirmation runs, or runs a user repeated with
 `seed=N`) is listed again below the table, once, with the mean +- standard deviation of its val_bpb;
 then each sweep of the experiment whose confirmation reached a verdict (frontier/verdict.py), with it.
+
+A run scored on another validation set than the best run (its `val_fingerprint` tag differs: another
+model.seq_len, tokenizer, data or eval.final_tokens) says so in its differences: its val_bpb does not
+compare with the best's. Seed groups are made of runs scored on one validation set.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ def load_rows(client: MlflowClient, experiment_id: str) -> list[dict]:
                 "core": metrics.get("core"),
                 "tokens_per_second": metrics.get("tokens_per_second"),
                 "budget": params.get("budget.name", tags.get("budget", "?")),
+                "val_fingerprint": tags.get("val_fingerprint"),
                 "params": params,
             })
         token = page.token
@@ -90,13 +95,21 @@ def differences(params: dict, best: dict) -> list[str]:
             if not k.startswith(IGNORED_PREFIXES) and params.get(k) != best.get(k)]
 
 
+def other_validation_set(row: dict, best: dict) -> list[str]:
+    """The flag of a row scored on another validation set than the best row."""
+    if row.get("val_fingerprint") == best.get("val_fingerprint"):
+        return []
+    return [f"val_fingerprint={row.get('val_fingerprint') or '-'} (another validation set)"]
+
+
 def seed_groups(rows: list[dict]) -> list[dict]:
-    """Runs that differ only in `seed` (and bookkeeping), grouped where there are at least two seeds:
-    each group's runs, mean and standard deviation of val_bpb, best mean first."""
+    """Runs that differ only in `seed` (and bookkeeping) and were scored on one validation set, grouped
+    where there are at least two seeds: each group's runs, mean and standard deviation of val_bpb, best
+    mean first."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         config = tuple(sorted((k, v) for k, v in row["params"].items() if not k.startswith(IGNORED_PREFIXES)
-                              and k != "seed"))
+                              and k != "seed")) + (row.get("val_fingerprint"),)
         groups.setdefault(config, []).append(row)
     found = []
     for members in groups.values():
@@ -132,11 +145,12 @@ def table(rows: list[dict], phase: int) -> str:
     best = rows[0]["params"]
     for i, row in enumerate(rows, 1):
         tps = row["tokens_per_second"]
+        differs = differences(row["params"], best) + other_validation_set(row, rows[0])
         cells = [str(i), row["name"]]
         if phase == 2:
             cells += [f"{row['score']:.3f}", f"{row['core']:.4f}"]
         cells += [f"{row['val_bpb']:.4f}", f"{tps:,.0f}" if tps is not None else "-", row["budget"],
-                  " ".join(differences(row["params"], best)) or ("(best)" if i == 1 else "(same config)")]
+                  " ".join(differs) or ("(best)" if i == 1 else "(same config)")]
         lines.append(cells)
     widths = [max(len(line[c]) for line in lines) for c in range(len(header) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1]

@@ -2,9 +2,10 @@
 
 - params: the flattened resolved config, every key;
 - tags: Hydra overrides as typed, git commit and dirty flag (the diff as `git_diff.patch`), device
-  name and count, torch version, host, budget name, and the trainer's own `status`;
+  name and count, torch version, host, budget name, the validation set's `val_fingerprint`, and the
+  trainer's own `status`;
 - metrics: whatever the trainer logs at its cadence, val_bpb at each budget checkpoint, and every
-  numeric entry of the final summary (val_bpb, tokens_per_second, mfu, budget_utilization, ...);
+  numeric entry of the final summary (val_bpb, val_bpb_se, tokens_per_second, mfu, budget_utilization, ...);
 - artifacts: `config.yaml` (resolved), `summary.json`, `curves.png` (train loss and val_bpb
   against charged seconds), and `checkpoint/final.pt` when `tracking.log_checkpoint=true`.
 
@@ -107,6 +108,7 @@ class MlflowObserver:
             "budget": summary.get("budget"),
             "mfu_basis": summary.get("mfu_basis"),  # cpu time or wall clock: what mfu is taken per
             "precision": summary.get("precision"),
+            "val_fingerprint": summary.get("val_fingerprint"),  # runs' val_bpb compare only when it is equal
         }
         tags = {k: str(v) for k, v in tags.items() if v is not None}
         self._submit(_log_batch, self.client, self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

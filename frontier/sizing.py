@@ -73,7 +73,14 @@ def eval_tokens(budget_seconds: float, every_fraction: float, peak_flops: float,
     final evaluation costs about EVAL_SHARE of the budget and the periodic ones together about
     CHECKPOINT_SHARE, at the forward-pass rate (a third of a training step's FLOPs per token) this
     device's peak gives at EVAL_EFFICIENCY. Powers of two, so the validation set is the same rows for
-    every run of this budget on this machine and model."""
+    every run of this budget on this machine and model.
+
+    The set's documents are spread over the whole split (frontier.data.validation_set), and each run
+    records val_bpb_se, its standard error over them: it falls with the square root of the documents
+    scored. Where the budget allows (an accelerator's: up to FULL_EVAL_TOKENS, thousands of documents)
+    it is small; a CPU-sized set's (about a hundred documents) is larger than the spread between seeds,
+    which is why runs compare only on one set (val_fingerprint). The rule stays a share of the budget,
+    not a target error: the error is known only once the set is scored."""
     rate = EVAL_EFFICIENCY * peak_flops / (flops_per_token / 3)
     final = min(_pow2_floor(EVAL_SHARE * budget_seconds * rate, MIN_FINAL_ROWS * seq_len), FULL_EVAL_TOKENS)
     evaluations = max(math.ceil(1 / every_fraction) - 1, 1) if every_fraction > 0 else 1

@@ -5,8 +5,8 @@ MLFLOW_TRACKING_URI) names another one; a SQLite store keeps its artifacts in an
 folder next to the database file. A call the store does not answer is retried; one it refuses
 (REFUSED_ERRORS) is not.
 
-The sweeper uses `ensure_store`, `start_parent_run`, `end_parent_run` and `close_runs`; each trial becomes a
-child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
+The sweeper uses `ensure_store`, `start_parent_run`, `end_parent_run`, `close_runs` and `tag_run`; each trial
+becomes a child run by setting `tracking.parent_run_id` (and `tracking.run_name`).
 """
 from __future__ import annotations
 
@@ -236,19 +236,30 @@ def end_parent_run(tracking_cfg, run_id: str, status: str, metrics: dict,
         _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
 
 
-def close_runs(tracking_cfg, run_ids: Iterable[str], status: str) -> dict[str, str]:
-    """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`. Every
-    run is tried; returns why, for each run that could not be closed."""
+def close_runs(tracking_cfg, run_ids: Iterable[str], status: str,
+               errors: dict[str, str] | None = None) -> dict[str, str]:
+    """Ends the runs still RUNNING among `run_ids` (trials whose process died) with `status`, and the
+    `error` tag `errors` gives each (why it died). Every run is tried; returns why, for each run that
+    could not be closed."""
     client = MlflowClient(tracking_uri(tracking_cfg))
     failed = {}
     for run_id in run_ids:
         try:
             if _retry(client.get_run, run_id).info.status == "RUNNING":
+                if (errors or {}).get(run_id):
+                    _retry(client.set_tag, run_id, "error", errors[run_id][:MAX_TAG_CHARS])
                 _retry(client.set_tag, run_id, "status", status)
                 _retry(client.set_terminated, run_id, MLFLOW_STATUS.get(status, status))
         except Exception as err:  # the store is down, or the run was deleted: the others still close
             failed[run_id] = store_error_line(err)
     return failed
+
+
+def tag_run(tracking_cfg, run_id: str, tags: dict[str, str]) -> None:
+    """Tags on a run, running or ended (a sweep's judgement of a trial after its end)."""
+    client = MlflowClient(tracking_uri(tracking_cfg))
+    for key, value in tags.items():
+        _retry(client.set_tag, run_id, key, value)
 
 
 def _transient(err: Exception) -> bool:

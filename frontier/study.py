@@ -252,20 +252,28 @@ def trial_seed(seed: int | None, number: int) -> int | None:
 TIME_KEYS = ("wall_seconds", "training_share", *(f"time_{part}_seconds" for part in timing.PARTS))
 
 
-def outcome(summary: dict, reason: str, objective: dict | None = None) -> tuple[TrialState, float | list | None, dict]:
+def outcome(summary: dict, reason: str, objective: dict | None = None,
+            val_fingerprint: str | None = None) -> tuple[TrialState, float | list | None, dict]:
     """A trial's Optuna state, value and user attributes from its run's summary (summary.json);
     `reason` says why it failed where the summary does not (no summary, a process killed).
     `objective`, the study's user attribute, says which value(s) a finished run gives (a list of
-    two for sweep.objective=pareto; see hydra_plugins/frontier_sweeper/_objective.py)."""
+    two for sweep.objective=pareto; see hydra_plugins/frontier_sweeper/_objective.py).
+    `val_fingerprint`, the study's, is the validation set its trials are scored on: a run scored on
+    another fails, unranked (its val_bpb does not compare)."""
     from hydra_plugins.frontier_sweeper._objective import trial_values
 
     status = summary.get("status")
     values, why = trial_values(objective, summary)
+    if values is not None and val_fingerprint and summary.get("val_fingerprint") != val_fingerprint:
+        values, why = None, (f"scored on another validation set (val_fingerprint {summary.get('val_fingerprint')}, "
+                             f"the study's is {val_fingerprint}: another model.seq_len, tokenizer, data or "
+                             "eval.final_tokens), so its val_bpb does not compare with the study's trials")
     attrs = {"status": status}
     attrs.update({key: summary[key] for key in ("charged_seconds", "steps", "tokens_seen", "val_tokens", "params",
-                                                "tokens_per_second", *TIME_KEYS)
+                                                "tokens_per_second", "val_fingerprint", "val_documents",
+                                                *TIME_KEYS)
                   if key in summary})
-    attrs.update({key: summary[key] for key in ("val_bpb", "core")
+    attrs.update({key: summary[key] for key in ("val_bpb", "val_bpb_se", "core")
                   if isinstance(summary.get(key), (int, float)) and math.isfinite(summary[key])})
     if status == "FINISHED" and values is not None:
         return TrialState.COMPLETE, values[0] if len(values) == 1 else values, attrs
@@ -415,7 +423,7 @@ def settle_orphans(study: optuna.Study, skip: set[int] = frozenset()) -> list[Fr
         reason = ("its process exited without a result" if gone else
                   "its driver exited as it started the trial" if unstarted else STALE_REASON)
         state, value, attrs = outcome(read_summary(trial.user_attrs.get("run_dir")), reason,
-                                      study.user_attrs.get("objective"))
+                                      study.user_attrs.get("objective"), study.user_attrs.get("val_fingerprint"))
         if end_trial(study, trial._trial_id, state, value, attrs):
             settled.append(storage.get_trial(trial._trial_id))
     return settled

@@ -1,15 +1,17 @@
-"""`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]`: what a sweep found.
+"""`python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR] [results=FILE]`: what a sweep found.
 
 Writes report.md (the best trial and the command that reproduces it, or once the best configurations
 were confirmed against the baseline with new seeds the verdict (frontier/verdict.py) and the command it
-recommends; the top-10 table, parameter importances, the confirmation runs, where
-the sweep's time went, why trials failed) and plots: the optimisation history, val_bpb against the
+recommends; the top-10 table, parameter importances, the confirmation runs, where the sweep's time
+went, the trials another program slowed (ranked on their re-runs), why trials failed) and plots: the
+optimisation history, val_bpb against the
 fraction of the budget for every trial (each checkpoint where it was measured), the parameter
 importances, the confirmed configurations and each one's interval against the baseline (confirm.png), and for
 `sweep.objective=pareto` the front of val_bpb against CORE (pareto.png); for `sweep=frontier` the
 compute-optimal shape (frontier/shapes.py: frontier.png, speed.png). They are logged as
 artifacts of the sweep's parent MLflow run. The sweeper writes the same report into
-<sweep dir>/report when it finishes.
+<sweep dir>/report when it finishes. `results=FILE` (benchmarks/sweeps.jsonl) also appends the
+finished sweep's result to FILE with where it ran (frontier/sweep_results.py).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from frontier.verdict import BEATS, EQUIVALENT, KEEP_DEFAULTS  # noqa: E402
 from hydra_plugins.frontier_sweeper._confirm import BASELINE, confirmed_runs, verdict_of  # noqa: E402
 
 COLORS = {"COMPLETE": "tab:blue", "PRUNED": "tab:orange", "FAIL": "tab:red", "RUNNING": "tab:gray"}
-USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR]"
+USAGE = "usage: python -m frontier.sweep_report study=NAME [storage=URL_OR_FILE] [out=DIR] [results=FILE]"
 
 
 def objective_name(study: optuna.Study) -> str:
@@ -304,7 +306,25 @@ def next_step_seconds(trials: list) -> list[float]:
     return gaps
 
 
-def time_lines(account: dict, trials: list) -> list[str]:
+def contended_lines(slowed: dict[str, dict], trials: list) -> list[str]:
+    """The trials another program slowed (tokens/s below sweep.min_relative_speed of their shape's median),
+    left out of the ranking above, and the re-run each was ranked on instead."""
+    reruns = {t.user_attrs["rerun_of"]: t for t in trials if t.user_attrs.get("rerun_of") is not None}
+    lines = ["## Contended", "", "Trials that trained slower than their peers (the other trials of their shape on "
+             "their kind of device), most likely because another program used the device: not ranked; each "
+             "ran again with the same parameters.", "",
+             "| trial | tokens/s | of the median | peers | device | re-run |", "|---|---|---|---|---|---|"]
+    for number, found in sorted(slowed.items(), key=lambda item: int(item[0])):
+        again = reruns.get(int(number))
+        outcome = (f"trial {again.number}: {again.state.name.lower()}"
+                   + (f", {again.value:.4f}" if again.state == TrialState.COMPLETE and len(again.values) == 1 else "")
+                   if again is not None else "none (it is not re-run again, or the sweep stopped first)")
+        lines.append(f"| {number} | {found['speed']:,.0f} | {found['speed'] / found['median']:.0%} of "
+                     f"{found['median']:,.0f} | {found['peers']} | {found['device_kind']} | {outcome} |")
+    return lines + [""]
+
+
+def time_lines(account: dict, trials: list, slowed: dict[str, dict]) -> list[str]:
     paid = account["paid"] or 1.0
     lines = ["## Where the time went", "",
              f"**Training share {account['training_share']:.0%}**: {account['parts']['charged']:.0f} charged seconds of "
@@ -320,7 +340,8 @@ def time_lines(account: dict, trials: list) -> list[str]:
     for t in trials:
         a = t.user_attrs
         if "wall_seconds" in a:
-            lines.append(f"| {t.number} | {t.state.name.lower()} | {a['wall_seconds']:.1f} | "
+            state = t.state.name.lower() + (" (contended)" if str(t.number) in slowed else "")
+            lines.append(f"| {t.number} | {state} | {a['wall_seconds']:.1f} | "
                          f"{a.get('time_startup_seconds', 0):.1f} | {a.get('time_charged_seconds', 0):.1f} | "
                          f"{a.get('time_evaluation_seconds', 0):.1f} | {a.get('training_share', 0):.0%} |")
     return lines + [""]
@@ -333,10 +354,11 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     trials = [t for t in every if t.user_attrs.get("confirm") is None]  # the search's own trials
     counts = {state.name: sum(t.state == state for t in trials) for state in TrialState}
     counts = {name: n for name, n in counts.items() if n}
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    slowed = study.user_attrs.get("contended", {})  # trials another program slowed: ranked on their re-runs
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and str(t.number) not in slowed]
     best, front = None, []
     if is_pareto(study):
-        front = sorted(study.best_trials, key=lambda t: t.values[0])
+        front = sorted((t for t in study.best_trials if str(t.number) not in slowed), key=lambda t: t.values[0])
         complete.sort(key=lambda t: t.values[0])
     else:
         complete.sort(key=lambda t: t.value)
@@ -353,14 +375,16 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     lines = [f"# Sweep `{study.study_name}`", "",
              f"{len(trials)} trials: " + ", ".join(f"{n} {name.lower()}" for name, n in counts.items())
              + (f"; {len(every) - len(trials)} confirmation runs" if len(every) > len(trials) else ""), ""]
-    evaluated = {t.user_attrs.get("val_tokens") for t in complete if t.user_attrs.get("val_tokens")}
+    evaluated = {t.user_attrs.get("val_fingerprint") for t in complete if t.user_attrs.get("val_fingerprint")}
     if len(evaluated) > 1:
-        lines += [f"**Warning**: these trials were evaluated on different validation sets (val_tokens "
-                  f"{', '.join(map(str, sorted(evaluated)))}): their val_bpb do not compare.", ""]
+        lines += [f"**Warning**: these trials were evaluated on different validation sets (val_fingerprint "
+                  f"{', '.join(sorted(evaluated))}): their val_bpb do not compare.", ""]
     tokens = study.user_attrs.get("eval_tokens")
     if tokens:
+        fingerprint = study.user_attrs.get("val_fingerprint")
         lines += [f"Every trial is evaluated on eval.final_tokens={tokens['final_tokens']} "
-                  f"(eval.checkpoint_tokens={tokens['checkpoint_tokens']} at each checkpoint).", ""]
+                  f"(eval.checkpoint_tokens={tokens['checkpoint_tokens']} at each checkpoint)"
+                  + (f", the validation set {fingerprint}" if fingerprint else "") + ".", ""]
     if objective == "composite":
         anchors = study.user_attrs.get("objective", {})
         lines += [f"Objective: composite = 1 - (0.5 norm(val_bpb) + 0.5 norm(core)), minimised; norm is 0 "
@@ -386,7 +410,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
         bpb, core = metrics_of(t)
         cell = {"composite": t.value if not front else None, "val_bpb": bpb, "core": core,
                 "phase-2": scores.get(t.number)}
-        cells = [str(rank), str(t.number)] + [_fmt(cell[c]) for c in columns]
+        rerun_of = t.user_attrs.get("rerun_of")
+        cells = [str(rank), f"{t.number}" + (f" (re-run of {rerun_of})" if rerun_of is not None else "")]
+        cells += [_fmt(cell[c]) for c in columns]
         cells.append(_fmt(t.user_attrs.get("charged_seconds", "")))
         lines.append("| " + " | ".join(cells + [_fmt(t.params.get(p, "")) for p in params]) + " |")
     lines.append("")
@@ -406,7 +432,9 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     lines += ladder.report_lines(study)  # a budget ladder's rungs; nothing for any other study
     lines += shapes.report_lines(study)  # a frontier sweep's fit; nothing for any other study
     if account:
-        lines += time_lines(account, every)
+        lines += time_lines(account, every, slowed)
+    if slowed:
+        lines += contended_lines(slowed, every)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         lines += ["## Pruned", ""] + [f"- trial {t.number}: {t.user_attrs.get('prune_reason', 'pruned')}"
@@ -470,7 +498,7 @@ def log_to_parent_run(study: optuna.Study, out_dir: Path, verdict=None) -> str |
 def main(argv: list[str]) -> int:
     print_help_if_asked(argv, __doc__)
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
-    if "study" not in args or set(args) - {"study", "storage", "out"} or len(args) != len(argv):
+    if "study" not in args or set(args) - {"study", "storage", "out", "results"} or len(args) != len(argv):
         print(f"error: {' '.join(argv) or 'no arguments'} is not allowed: {USAGE}", file=sys.stderr)
         return 2
     name = args["study"]
@@ -501,12 +529,23 @@ def main(argv: list[str]) -> int:
     out = Path(args.get("out") or Path(study.user_attrs.get("sweep_dir", ".")) / "report")
     try:
         check_writable_path("out", out)
+        if args.get("results"):
+            check_writable_path("results", Path(args["results"]).parent)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     report = write_report(study, out)
     print(report["text"])
     print(f"files: {', '.join(str(f) for f in report['files'])}")
+    if args.get("results"):
+        from frontier.sweep_results import record
+
+        try:
+            row = record(study, report, Path(args["results"]), argv)
+        except ConfigError as err:  # a device the trials ran on that this machine lacks: not where it ran
+            print(f"error: results={args['results']} is not allowed here: {err}", file=sys.stderr)
+            return 2
+        print(f"recorded in {args['results']}: {row['machine']}, commit {(row['commit'] or 'none')[:7]}")
     try:
         run_id = log_to_parent_run(study, out, (report["confirmation"] or {}).get("verdict"))
         if run_id:

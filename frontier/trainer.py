@@ -24,10 +24,10 @@ from frontier.budget import BudgetClock
 from frontier.checkpoint import CheckpointError, read_checkpoint, save_final, write_torch
 from frontier.config import Config, ConfigError, error_line, register_schemas, to_config
 from frontier.core import check_bundle, core_metrics
-from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
+from frontier.data import DataError, PackedLoader, ValidationSet, load_corpus, load_tokenizer, resolve_splits, validation_set
 from frontier.device import Device, device_kind, peak_figures, resolve_device
 from frontier.distributed import World, init_world
-from frontier.evaluate import val_bpb
+from frontier.evaluate import Score, val_bpb
 from frontier.lifecycle import Lifecycle, RunInfo
 from frontier.model import GPT, Ops, build as build_model
 from frontier.observers import StopRun
@@ -73,7 +73,8 @@ class Run:
     step_model: torch.nn.Module  # the model the loop calls: compiled or not
     tokenizer: object
     loader: PackedLoader
-    val_rows: torch.Tensor
+    val_set: ValidationSet  # the final evaluation's
+    checkpoint_set: ValidationSet  # each periodic evaluation's: the final set's first rows
     optimizers: list
     clock: BudgetClock
     world: World
@@ -179,10 +180,12 @@ def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
     if train_corpus.num_tokens < seq + 1:
         raise DataError(f"the training split has {train_corpus.num_tokens} tokens, fewer than one row of "
                         f"model.seq_len + 1 = {seq + 1}")
-    val_rows = validation_rows(val_corpus, seq, config.eval.final_tokens)
+    val_set = validation_set(val_corpus, tokenizer, seq, config.eval.final_tokens)
     summary.update({
         "data_train_tokens": train_corpus.num_tokens,
-        "data_val_tokens_available": int(val_rows.numel() - val_rows.size(0)),
+        "data_val_tokens_available": val_corpus.num_tokens,
+        "val_fingerprint": val_set.fingerprint(),  # what val_bpb is scored on: runs compare only when equal
+        "data_val_documents": val_corpus.num_documents,
         "data_skipped_empty_documents": sum(c.meta.get("skipped_empty_documents", 0)
                                             for c in (train_corpus, val_corpus)),
         "data_empty_files": [f for c in (train_corpus, val_corpus) for f in c.meta.get("empty_files", [])],
@@ -193,8 +196,8 @@ def setup(raw: DictConfig, run_dir: Path, plan: Plan, summary: dict) -> Run:
     loader = PackedLoader(train_corpus, seq, rows=config.train.batch_tokens // seq, seed=config.seed)
     step_time = StepTime(world)
     clock = BudgetClock(config.budget, device.synchronize, step_time)
-    return Run(config, raw, run_dir, device, model, step_model, tokenizer, loader, val_rows, optimizers, clock,
-               world, step_time, summary)
+    return Run(config, raw, run_dir, device, model, step_model, tokenizer, loader, val_set,
+               val_set.head(config.eval.checkpoint_tokens), optimizers, clock, world, step_time, summary)
 
 
 def describe(run: Run) -> dict:
@@ -243,10 +246,8 @@ def train_step(run: Run) -> torch.Tensor:
     return total / accumulation
 
 
-def evaluate_checkpoint(run: Run, tokens: int) -> float:
-    rows = run.val_rows[: max(1, -(-tokens // run.config.model.seq_len))]
-    bpb, _ = val_bpb(run.step_model, rows, run.tokenizer.token_bytes, run.device, run.config.eval.batch_rows)
-    return bpb
+def evaluate(run: Run, vset: ValidationSet) -> Score:
+    return val_bpb(run.step_model, vset, run.tokenizer.token_bytes, run.device, run.config.eval.batch_rows)
 
 
 def next_mark(progress: float, every: float) -> float:
@@ -331,7 +332,7 @@ def loop(run: Run, display: RunDisplay, life: Lifecycle, started: float) -> str 
         reached = marks_reached(progress, eval_every)
         if reached > marks_reported:  # one evaluation, reported for each mark this step crossed
             with run.account.timed("evaluation"):
-                bpb = evaluate_checkpoint(run, cfg.eval.checkpoint_tokens)
+                bpb = evaluate(run, run.checkpoint_set).val_bpb
             marks = f" {reached}" if reached == marks_reported + 1 else f"s {marks_reported + 1}-{reached}"
             display.note(f"checkpoint{marks}: val_bpb {bpb:.4f} at {progress:.0%} of the budget")
             stop = None
@@ -441,7 +442,7 @@ def resume_point(resume: str, tracking_cfg, mmap: bool = False) -> tuple[DictCon
     return raw, run_dir, state
 
 
-def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
+def summarize(run: Run, score: Score | None) -> None:
     """The run's final numbers, whatever ended it."""
     cfg, clock, summary = run.config, run.clock, run.summary
     tokens_per_second = clock.charged_tokens / clock.charged if clock.charged > 0 else 0.0
@@ -449,8 +450,10 @@ def summarize(run: Run, bpb: float | None, val_tokens: int) -> None:
         summary["tokens_per_cpu_second"] = clock.charged_tokens / clock.charged_cpu
     summary.update({
         "tokens_seen": run.tokens_seen,
-        "val_bpb": bpb,
-        "val_tokens": val_tokens,
+        "val_bpb": score.val_bpb if score else None,
+        "val_bpb_se": score.se if score else None,  # the evaluation's own noise, over its documents
+        "val_tokens": score.tokens if score else 0,
+        "val_documents": score.documents if score else 0,
         "steps": clock.steps,
         "progress": clock.progress,
         "tokens_per_second": tokens_per_second,
@@ -473,9 +476,8 @@ def finish(run: Run) -> float:
     """Final full evaluation (uncharged), then on rank 0 the checkpoint and CORE."""
     cfg = run.config
     with run.account.timed("evaluation"):
-        bpb, val_tokens = val_bpb(run.step_model, run.val_rows, run.tokenizer.token_bytes, run.device,
-                                  cfg.eval.batch_rows)
-    summarize(run, bpb, val_tokens)
+        score = evaluate(run, run.val_set)
+    summarize(run, score)
     if run.world.is_main:
         final = run.run_dir / "final.pt"
         with run.account.timed("checkpoint"), \
@@ -485,7 +487,7 @@ def finish(run: Run) -> float:
             with run.account.timed("evaluation"):
                 run.summary.update(core_metrics(run.model, run.tokenizer, cfg.eval, run.device, cfg.model.seq_len,
                                                 log=None))
-    return bpb
+    return score.val_bpb
 
 
 def train(raw: DictConfig, run_dir: Path, display: RunDisplay | None = None) -> float:
@@ -550,7 +552,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
             raise lifecycle.Killed(stopped)
         lifecycle.raise_if_stopped()  # one that came after the loop's last look ends the run here, trained
         if run.config.compile_only:  # compiled and warmed up: nothing trained to evaluate
-            summarize(run, None, 0)
+            summarize(run, None)
             status = "COMPILED"
             return math.nan
         result = finish(run)
@@ -577,7 +579,7 @@ def _train(raw: DictConfig, run_dir: Path, display: RunDisplay | None, started: 
     finally:
         lifecycle.closing()
         if run is not None and status not in ("FINISHED", "COMPILED"):
-            summarize(run, None, 0)
+            summarize(run, None)
         if run is not None:
             summary.update(run.account.summary(run.clock.launch_excluded, run.clock.launch_charged))
         try:

@@ -166,7 +166,7 @@ class TrialReporter:
         elif error and not summary.get("error"):
             summary["error"] = error
         state, value, attrs = outcome(summary, f"ended {status} without a reason",
-                                      self.study.user_attrs.get("objective"))
+                                      self.study.user_attrs.get("objective"), self.study.user_attrs.get("val_fingerprint"))
         progress = summary.get("progress", getattr(getattr(self.run, "clock", None), "progress", None))
         if progress is not None:
             attrs["budget_fraction"] = round(progress, 4)

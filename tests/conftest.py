@@ -267,11 +267,13 @@ def mlflow_store(tmp_path, template_db) -> str:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs of its own, so that the store's disk can really fill up (needs root to mount)."""
+def small_disk(tmp_path, request):
+    """A 4 MiB tmpfs of its own (another size by indirect parametrisation), so that the store's disk can
+    really fill up (needs root to mount)."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+    size = getattr(request, "param", "4m")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
                              text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")

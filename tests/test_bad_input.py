@@ -170,6 +170,10 @@ BAD = [
     (["--multirun", "sweep=lr", "sweep.n_trials=0"], "sweep.n_trials=0 is not allowed: a positive integer or null"),
     (["--multirun", "sweep=lr", "sweep.study_name="], "sweep.study_name='' is not allowed: name a study, or leave it"),
     (["--multirun", "sweep=lr", "sweep.seed=-1"], "sweep.seed=-1 is not allowed: an integer in 0 ... 4294967295"),
+    (["--multirun", "sweep=lr", "sweep.min_relative_speed=0"], "sweep.min_relative_speed=0.0 is not allowed: a "
+                                                                "fraction in (0, 1] of the median speed"),
+    (["--multirun", "sweep=lr", "sweep.min_relative_speed=1.5"], "sweep.min_relative_speed=1.5 is not allowed: a "
+                                                                  "fraction in (0, 1]"),
     (["--multirun", "sweep=lr", "sweep.n_jobs=abc"], "sweep.n_jobs=abc is not allowed: must be an integer"),
     (["--multirun", "sweep=lr", "+sweep.foo=1"], "sweep.foo=1 is not allowed: sweep has no key 'foo'"),
     (["--multirun", "sweep=lr", "optim.embedding_lr=inf"], "optim.embedding_lr=inf is not allowed: numbers must be "
@@ -634,6 +638,7 @@ def test_a_refused_command_says_the_same_from_a_process_of_its_own(tmp_path, mod
     ("frontier.sweep_report", ["study=s", "--help"], "python -m frontier.sweep_report study=NAME"),
     ("frontier.tracking", ["sync", "--help"], "usage: python -m frontier.tracking sync RUN_DIR"),
     ("frontier.bench", ["--help"], "bench keys: models=[tiny]"),
+    ("frontier.val_spread", ["-h"], "python -m frontier.val_spread RUN_DIR ... [documents=800]"),
 ])
 def test_a_side_command_s_help_is_its_usage_and_exit_0(module, args, usage):
     """--help had been refused as an argument that is not key=value, with exit code 2."""

@@ -1,15 +1,19 @@
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from frontier import data as data_module
 from frontier.config import DataConfig
-from frontier.data import DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, validation_rows
+from frontier.data import (DataError, PackedLoader, load_corpus, load_tokenizer, resolve_splits, spread_order,
+                           validation_set)
 from tests.conftest import FAST, ROOT, run_cli
 
 
@@ -103,13 +107,104 @@ def test_loader_state_resumes_the_same_rows(tmp_path):
     assert all(np.array_equal(e, resumed.next_rows()) for e in expected)
 
 
+def val_corpus_of(tmp_path, docs=60, words=40):
+    cfg, train, val, tokenizer, _ = corpus_of(tmp_path, write_shards(tmp_path / "s", docs, words=words))
+    return tokenizer, load_corpus(val, tokenizer, cfg, "val")
+
+
 def test_validation_rows_come_from_the_held_out_shard_without_repeats(tmp_path):
-    cfg, train, val, tokenizer, _ = corpus_of(tmp_path, write_shards(tmp_path / "s", 60))
-    val_corpus = load_corpus(val, tokenizer, cfg, "val")
-    rows = validation_rows(val_corpus, seq_len=16, max_tokens=10**9)
-    text = tokenizer.decode([t for t in rows.flatten().tolist() if t != tokenizer.bos_id])
+    tokenizer, val_corpus = val_corpus_of(tmp_path)
+    vset = validation_set(val_corpus, tokenizer, seq_len=16, max_tokens=10**9)
+    text = tokenizer.decode([t for t in vset.rows.flatten().tolist() if t != tokenizer.bos_id])
     assert "doc2." in text and "doc0." not in text and "doc1." not in text
-    assert rows.numel() <= val_corpus.num_tokens
+    assert vset.rows.numel() <= val_corpus.num_tokens + vset.rows.size(1)  # at most the last row is padded
+
+
+def scored_tokens(vset, doc: int) -> list[int]:
+    """The tokens of `doc` among the targets of the set, in order."""
+    targets = vset.rows[:, 1:].numpy()
+    return targets[vset.documents[vset.target_docs.numpy()] == doc].tolist()
+
+
+def test_a_validation_set_larger_than_the_split_scores_every_document_once_whole_or_cropped(tmp_path):
+    """Every target belongs to one document; each document's targets are its own tokens from its start, once:
+    whole, or cropped where its row ends (its tail is not scored)."""
+    tokenizer, corpus = val_corpus_of(tmp_path, docs=80)
+    vset = validation_set(corpus, tokenizer, seq_len=24, max_tokens=10**9)
+    assert vset.documents.tolist() == list(range(corpus.num_documents))  # the whole split, each document once
+    owners = vset.documents[vset.target_docs.numpy()]
+    whole = 0
+    for doc in range(corpus.num_documents):
+        real = [t for t in scored_tokens(vset, doc) if t != tokenizer.bos_id]
+        own = corpus.document(doc).tolist()
+        assert real == own[1:len(real) + 1]  # its opening, in order, once
+        if len(real) == len(own) - 1:
+            whole += 1
+        else:  # cropped: it is the last document of the one row that holds it
+            rows = np.nonzero((owners == doc).any(axis=1))[0]
+            assert len(rows) == 1 and owners[rows[0], -1] == doc
+    assert 0 < whole < corpus.num_documents  # both cases were checked
+    assert (vset.rows[:, 0] == tokenizer.bos_id).all()
+
+
+def test_validation_documents_are_spread_across_the_whole_split(tmp_path):
+    tokenizer, corpus = val_corpus_of(tmp_path, docs=400, words=8)
+    n = corpus.num_documents
+    for tokens in (256, 1024, 4096):
+        docs = validation_set(corpus, tokenizer, seq_len=16, max_tokens=tokens).documents
+        assert docs.min() < n / 4 and docs.max() >= 3 * n / 4, (tokens, docs)
+        quarters = np.bincount(docs * 4 // n, minlength=4)
+        assert quarters.max() <= 2 * quarters.min() + 2, quarters  # even, not merely touching both ends
+    order = spread_order(1000)
+    assert sorted(order.tolist()) == list(range(1000))
+    assert np.diff(np.sort(order[:50])).max() <= 3 * 1000 / 50  # any prefix: gaps of about n / prefix
+
+
+def test_the_checkpoint_set_is_the_final_sets_first_rows_and_a_subset_of_its_documents(tmp_path):
+    tokenizer, corpus = val_corpus_of(tmp_path, docs=400, words=8)
+    final = validation_set(corpus, tokenizer, seq_len=16, max_tokens=2048)
+    checkpoint = final.head(256)
+    assert checkpoint.rows.size(0) == 16 and torch.equal(checkpoint.rows, final.rows[:16])
+    assert set(checkpoint.documents) < set(final.documents)
+    assert torch.equal(validation_set(corpus, tokenizer, seq_len=16, max_tokens=256).rows, checkpoint.rows)
+    n = corpus.num_documents
+    assert checkpoint.documents.min() < n / 4 and checkpoint.documents.max() >= 3 * n / 4  # spread as well
+
+
+def test_the_validation_set_and_its_fingerprint_are_the_same_in_another_process(tmp_path):
+    tokenizer, corpus = val_corpus_of(tmp_path)
+    vset = validation_set(corpus, tokenizer, seq_len=16, max_tokens=512)
+    code = ("import sys; from tests.test_data import val_corpus_of; from frontier.data import validation_set; "
+            "from pathlib import Path; t, c = val_corpus_of(Path(sys.argv[1])); "
+            "v = validation_set(c, t, seq_len=16, max_tokens=512); print(v.fingerprint(), v.rows.sum().item())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [vset.fingerprint(), str(vset.rows.sum().item())]
+
+
+def test_the_fingerprint_changes_with_seq_len_tokenizer_and_selection_and_nothing_else(tmp_path):
+    tokenizer, corpus = val_corpus_of(tmp_path)
+    fingerprint = validation_set(corpus, tokenizer, seq_len=16, max_tokens=512).fingerprint()
+    assert validation_set(corpus, tokenizer, seq_len=16, max_tokens=512).fingerprint() == fingerprint
+    assert validation_set(corpus, tokenizer, seq_len=16, max_tokens=500).fingerprint() == fingerprint  # same rows
+    others = [validation_set(corpus, tokenizer, seq_len=32, max_tokens=512),
+              validation_set(corpus, tokenizer, seq_len=16, max_tokens=1024),
+              validation_set(corpus, tokenizer, seq_len=16, max_tokens=512, seed=1),
+              validation_set(corpus, tokenizer, seq_len=16, max_tokens=512, documents=10)]
+    cfg = config(tmp_path, tmp_path / "s")
+    cfg.vocab_size = 320  # another tokenizer of the same data
+    other_tokenizer = load_tokenizer(cfg, resolve_splits(cfg)[0])
+    others.append(validation_set(load_corpus(resolve_splits(cfg)[1], other_tokenizer, cfg, "val"), other_tokenizer,
+                                 seq_len=16, max_tokens=512))
+    prints = [vset.fingerprint() for vset in others]
+    assert fingerprint not in prints and len(set(prints)) == len(prints)
+
+
+def test_a_number_of_documents_scores_exactly_those(tmp_path):
+    tokenizer, corpus = val_corpus_of(tmp_path, docs=200, words=8)
+    vset = validation_set(corpus, tokenizer, seq_len=16, max_tokens=corpus.num_tokens, documents=30)
+    assert vset.documents.tolist() == sorted(spread_order(corpus.num_documents)[:30].tolist())
 
 
 def test_second_load_reuses_the_caches(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 
 from frontier import load_for_eval
 from frontier.config import to_config
-from frontier.data import load_corpus, load_tokenizer, resolve_splits, validation_rows
+from frontier.data import load_corpus, load_tokenizer, resolve_splits, validation_set
 from frontier.device import resolve_device
 from frontier.evaluate import val_bpb
 from tests.conftest import FAST, ROOT, compose_config, run_cli
@@ -49,10 +49,12 @@ def test_two_ranks_follow_the_single_process_loss_trajectory(wiki, tmp_path):
     config = to_config(raw)
     train_split, val_split = resolve_splits(config.data)
     tokenizer = load_tokenizer(config.data, train_split)
-    rows = validation_rows(load_corpus(val_split, tokenizer, config.data, "val"), 256, config.eval.final_tokens)
+    vset = validation_set(load_corpus(val_split, tokenizer, config.data, "val"), tokenizer, 256,
+                          config.eval.final_tokens)
     model = load_for_eval(tmp_path / "two" / "final.pt", "cpu")
-    bpb, _ = val_bpb(model, rows, tokenizer.token_bytes, resolve_device("cpu", summary["precision"]), batch_rows=8)
-    assert math.isclose(bpb, summary["val_bpb"], rel_tol=1e-4), (bpb, summary["val_bpb"])
+    score = val_bpb(model, vset, tokenizer.token_bytes, resolve_device("cpu", summary["precision"]), batch_rows=8)
+    assert math.isclose(score.val_bpb, summary["val_bpb"], rel_tol=1e-4), (score.val_bpb, summary["val_bpb"])
+    assert math.isclose(score.se, summary["val_bpb_se"], rel_tol=1e-3) and summary["val_fingerprint"] == vset.fingerprint()
 
 
 def test_both_ranks_stop_at_the_same_step_under_a_time_budget(wiki, tmp_path):

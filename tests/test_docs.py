@@ -6,7 +6,7 @@ import sys
 import typing
 from dataclasses import fields, is_dataclass
 
-from frontier import bench_results, config
+from frontier import bench_results, config, sweep_results
 from frontier.config_reference import render
 from tests.conftest import ROOT
 
@@ -50,6 +50,10 @@ def test_the_config_reference_says_what_every_key_does():
 
 def test_the_benchmark_tables_are_current(capsys):
     assert bench_results.main([str(ROOT), "--check"]) == 0, capsys.readouterr().err
+
+
+def test_the_sweep_sections_are_current(capsys):
+    assert sweep_results.main([str(ROOT), "--check"]) == 0, capsys.readouterr().err
 
 
 def test_the_benchmarks_page_shows_the_latest_row_of_each_configuration_per_machine_class():

@@ -59,6 +59,7 @@ def test_eval_command_prints_core_and_val_bpb_of_a_checkpoint(trained):
     (["checkpoint=x.pt", "colour=red"], "colour=red is not allowed: frontier.eval has no key 'colour'"),
     (["checkpoint=x.pt", "device=tpu"], "device='tpu' is not allowed: choose one of auto, cpu, cuda, cuda:N, neuron"),
     (["checkpoint=README.md"], "checkpoint=README.md is not allowed: it is truncated, damaged or not a torch"),
+    (["checkpoint=x.pt", "val_documents=0"], "val_documents=0 is not allowed: give a positive number of documents"),
 ])
 def test_eval_command_bad_input(args, message):
     """One line: a bad checkpoint is found before the device is set up (which says its precision)."""
@@ -246,3 +247,75 @@ def test_eval_by_run_id_logs_core_to_that_mlflow_run(wiki, tmp_path, mlflow_stor
         f"error: not logged to MLflow run {run_id} in {other} (FileNotFoundError: there is no MLflow store at "
         f"{tmp_path / 'other.db'}); the figures above are the result")
     assert not (tmp_path / "other.db").exists()  # a mistyped store is not made just to fail
+
+
+@pytest.fixture(scope="module")
+def seed_runs(tmp_path_factory, wiki):
+    """Two configurations trained with two seeds each, a few steps."""
+    root = tmp_path_factory.mktemp("seeds")
+    for scale in ("1.0", "0.5"):
+        for seed in (1, 2):
+            raw = compose_config([*FAST, "budget.max_steps=3", "eval.every_fraction=0", "eval.final_tokens=2048",
+                                  "eval.checkpoint_tokens=256", "precision=fp32", f"optim.lr_scale={scale}",
+                                  f"seed={seed}"])
+            train(raw, root / f"lr{scale}-seed{seed}", RunDisplay(enabled=False))
+    return root
+
+
+def spread_figures(run_dir: Path, documents: int) -> dict:
+    from frontier.checkpoint import load_for_eval, load_tokenizer, read_checkpoint
+    from frontier.config import EvalConfig
+    from frontier.device import resolve_device
+    from frontier.eval import validation_bpb
+
+    final = run_dir / "final.pt"
+    return validation_bpb(read_checkpoint(final, "checkpoint=")["config"], load_for_eval(final, "cpu"),
+                          load_tokenizer(final), resolve_device("cpu", "fp32"), EvalConfig(), documents)
+
+
+@pytest.mark.slow
+def test_eval_scores_a_checkpoint_on_a_number_of_spread_documents(seed_runs):
+    run = seed_runs / "lr1.0-seed1"
+    result = command_in_process("frontier.eval", [f"checkpoint={run / 'final.pt'}", "core=false", "val_documents=30",
+                                                  "device=cpu", "precision=fp32", "tracking.enabled=false"])
+    assert result.returncode == 0, result.stderr
+    printed = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    expected = spread_figures(run, 30)
+    assert printed["val_documents"] == "30" and printed["val_fingerprint"] == expected["val_fingerprint"]
+    assert float(printed["val_bpb"]) == pytest.approx(expected["val_bpb"], abs=1e-4)
+    summary = json.loads((run / "summary.json").read_text())
+    assert expected["val_fingerprint"] != summary["val_fingerprint"]  # another set than the run's own
+
+
+@pytest.mark.slow
+def test_val_spread_compares_the_seed_spread_on_the_runs_sets_and_on_spread_documents(seed_runs):
+    result = subprocess.run([sys.executable, "-m", "frontier.val_spread", str(seed_runs), "documents=30", "device=cpu",
+                             "precision=fp32"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    groups = [line for line in lines if "2 seed(s)" in line]
+    # found in folder order: lr0.5 first, then lr1.0, which differs from it in optim.lr_scale
+    assert len(groups) == 2 and "(the first configuration)" in groups[0] and "optim.lr_scale=1.0" in groups[1]
+    runs = {run.name: json.loads((run / "summary.json").read_text())["val_bpb"] for run in seed_runs.iterdir()}
+    spread = {name: spread_figures(seed_runs / name, 30)["val_bpb"] for name in runs}
+    own_mean = (runs["lr1.0-seed1"] + runs["lr1.0-seed2"]) / 2
+    spread_mean = (spread["lr1.0-seed1"] + spread["lr1.0-seed2"]) / 2
+    assert groups[1].startswith(f"{own_mean:.4f} (") and f"| {spread_mean:.4f} (" in groups[1]
+    same = (runs["lr1.0-seed1"] + runs["lr1.0-seed2"] < runs["lr0.5-seed1"] + runs["lr0.5-seed2"]) == \
+        (spread["lr1.0-seed1"] + spread["lr1.0-seed2"] < spread["lr0.5-seed1"] + spread["lr0.5-seed2"])
+    assert lines[-1] == "order of the configurations: " + ("the same on both" if same else "differs")
+    assert any(line.startswith("mean sd across seeds: ") for line in lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give at least one run folder"),
+    (["/no/such/folder"], "/no/such/folder is not allowed: it is not a folder"),
+    (["README.md", "documents=0"], "README.md is not allowed"),
+    ([".", "documents=0"], "documents=0 is not allowed: documents must be a positive integer"),
+    ([".", "colour=red"], "colour=red is not allowed: frontier.val_spread has no key 'colour'"),
+    (["docs"], "no finished run (final.pt beside a FINISHED summary.json) under docs"),
+])
+def test_val_spread_bad_input(args, message):
+    result = command_in_process("frontier.val_spread", args)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr

@@ -93,6 +93,18 @@ def test_a_configuration_never_climbs_twice_to_one_rung_and_a_failed_climb_is_re
     assert rung1 == [0.01, 0.01, 0.02]
 
 
+def test_a_contended_trial_is_not_ranked_its_re_run_is():
+    study = new_study()
+    take(study, TrialState.COMPLETE, 9.0)  # the baseline
+    for lr, value in [(0.01, 1.0), (0.02, 2.0), (0.03, 3.0)]:
+        propose(study, lr, value)
+    slowed = {"1": {"speed": 1.0}}  # trial 1 (lr 0.01) was slowed by another program
+    assert next_climb(study.get_trials(), RUNGS, 1 / 3, slowed) is None  # two ranked: floor(2 / 3) = 0
+    study.add_trial(create_trial(params={LR: 0.01}, distributions=SPACE, value=2.5, user_attrs={"rerun_of": 1}))
+    assert next_climb(study.get_trials(), RUNGS, 1 / 3, slowed) == ({LR: 0.02, BUDGET: 120.0},
+                                                                   {RUNG: 1, PROMOTED_FROM: 2})  # 2.0 beats 2.5
+
+
 def test_the_ladder_climbs_to_the_top_and_the_baseline_runs_once_at_every_rung():
     study = new_study()
     for i in range(9):

@@ -80,8 +80,9 @@ def tpe_sweep(tmp_path_factory):
     random start-up (where a shared seed used to repeat the first run's points)."""
     tmp = tmp_path_factory.mktemp("tpe")
     storage = str(tmp / "study.journal")
+    # trials share this machine with other tests: their speeds tell nothing of a trial's fairness
     args = ["sweep=lr", "sweep.n_jobs=2", "sweep.n_startup_trials=10", "sweep.pruner=none",
-            f"sweep.storage={storage}", "sweep.study_name=tpe"]
+            "sweep.min_relative_speed=0.01", f"sweep.storage={storage}", "sweep.study_name=tpe"]
     run_sweep(tmp / "first", *args, "sweep.n_trials=4")
     second = run_sweep(tmp / "second", *args, "sweep.n_trials=6")
     return tmp, storage, second

@@ -348,7 +348,8 @@ def test_two_drivers_of_a_postgresql_study_propose_distinct_points_under_one_par
     name = f"test-drivers-{uuid.uuid4().hex[:8]}"
     uri = mlflow_store
     args = [*SHORT, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=drivers",
-            "sweep.n_trials=4", f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
+            "sweep.n_trials=4", "sweep.min_relative_speed=0.01",  # other tests share the machine: no re-runs
+            f"sweep.storage={POSTGRES}", f"sweep.study_name={name}"]
     try:
         drivers = [subprocess.Popen(driver_command(tmp_path / f"driver{i}", *args), cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
@@ -916,24 +917,67 @@ def test_two_studies_started_into_one_sweep_folder_at_once_run_one_and_refuse_th
 
 
 @pytest.mark.slow
-def test_a_sweep_whose_folder_s_disk_fills_stops_with_one_line_saying_so(tmp_path, small_disk):
-    """The disk of the sweep's folder fills while trial 0 trains: each trial had failed with "exit code 1"
-    (its output.log could not be written), the sweep had run them all, and it ended FINISHED, exit 0."""
+@pytest.mark.parametrize("small_disk", ["30m"], indirect=True)  # room for the trials once the filler is gone
+def test_a_trial_failed_on_a_full_disk_stops_the_sweep_uncounted_and_the_same_command_with_space_finishes(
+        tmp_path, small_disk, mlflow_store):
+    """The disk of the sweep's folder fills while trial 0 trains: the sweep stops there with one line naming
+    the folder, exit 1, its MLflow run FAILED, and trial 0 does not count; given space, the same command
+    finishes the study with its n_trials. Every later trial had failed the same way, counted, and the sweep
+    ended FINISHED with exit 0 (the disk looked full no more once a failed write's file was gone), so that no
+    rerun could get those trials back."""
+    from mlflow import MlflowClient
+
     out = small_disk / "out"
-    journal = tmp_path / "study.journal"
-    driver = subprocess.Popen(driver_command(out, "budget.seconds=600", "budget.max_steps=40", "sweep.n_trials=3",
-                                             "sweep.heartbeat_interval=1",
-                                             f"sweep.grace_period={GRACE}", f"sweep.storage={journal}",
-                                             "sweep.study_name=fills", "tracking.enabled=false"),
-                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    journal = str(tmp_path / "study.journal")
+    command = driver_command(out, "budget.seconds=8", "sweep.n_trials=1", f"sweep.storage={journal}",
+                             "sweep.study_name=nospace", "tracking.enabled=true", f"tracking.uri={mlflow_store}",
+                             "tracking.experiment=nospace")
+    driver = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_training(driver, out / "0" / "metrics.jsonl")
-        fill(small_disk)
-        _, stderr = driver.communicate(timeout=300)
+        filler = fill(small_disk)
+        stdout, stderr = driver.communicate(timeout=300)
     finally:
         driver.kill()
-    assert driver.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
-    assert stderr.splitlines()[-1].startswith(f"error: the sweep stopped: the disk of its folder {out} is full "
-                                              "(trial 0 failed: "), stderr[-3000:]
-    trials = load(str(journal), "fills").trials
-    assert [t.state for t in trials] == [TrialState.FAIL]  # no trial started after it
+    assert driver.returncode == 1 and "Traceback" not in stdout + stderr, stderr[-3000:]
+    errors = [line for line in (stdout + stderr).splitlines() if line.startswith("error:")]
+    assert errors == [stderr.splitlines()[-1]], stderr[-3000:]
+    assert errors[0].startswith(f"error: the sweep stopped: the disk of its folder {out} is full (trial 0 failed: ")
+    assert errors[0].endswith("the same command goes on with the study, without counting that trial")
+    study = load(journal, "nospace")
+    assert [t.state for t in study.trials] == [TrialState.FAIL] and list(study.user_attrs["uncounted"]) == ["0"]
+    client = MlflowClient(mlflow_store)
+    runs = client.search_runs([client.get_experiment_by_name("nospace").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("run_kind") == "sweep"]
+    assert parent.info.status == "FAILED"
+
+    filler.unlink()
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    states = [t.state for t in load(journal, "nospace").trials]
+    assert states == [TrialState.FAIL, TrialState.COMPLETE], again.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_trial_killed_from_outside_carries_its_reason_into_its_mlflow_run(tmp_path, mlflow_store):
+    """kill -9 of a trial's process: FAIL with its reason in the study, and its MLflow run KILLED with that
+    reason as its `error` tag (it had none)."""
+    from mlflow import MlflowClient
+
+    journal = str(tmp_path / "study.journal")
+    driver = subprocess.Popen(driver_command(tmp_path / "out", *LONG, "sweep.n_trials=1", f"sweep.storage={journal}",
+                                             "sweep.study_name=killed", "tracking.enabled=true",
+                                             f"tracking.uri={mlflow_store}", "tracking.experiment=killed"),
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_training(driver, tmp_path / "out" / "0" / "metrics.jsonl")
+        wait_for(lambda: trial_attr(journal, "killed", "mlflow_run_id"), 60, "the trial's MLflow run")
+        os.kill(Process.parse(trial_attr(journal, "killed", "process")).pid, signal.SIGKILL)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    (trial,) = load(journal, "killed").trials
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"].startswith("killed by SIGKILL")
+    run = MlflowClient(mlflow_store).get_run(trial.user_attrs["mlflow_run_id"])
+    assert run.info.status == "KILLED" and run.data.tags.get("error") == trial.user_attrs["fail_reason"]

@@ -16,7 +16,7 @@ from optuna.trial import TrialState, create_trial
 
 from frontier.config import ConfigError
 from frontier.leaderboard import phase2_scores
-from frontier.study import open_storage
+from frontier.study import open_storage, outcome
 from frontier import sweep_report
 from frontier.sweep_report import curve, write_report
 from hydra_plugins.frontier_sweeper._objective import composite, counted_trials, trial_values
@@ -71,6 +71,23 @@ def test_each_objective_takes_its_values_from_the_summary():
     values, why = trial_values(ANCHORS, {"status": "FINISHED", "val_bpb": 1.0})
     assert values is None and "no CORE" in why
     assert trial_values(None, {"val_bpb": float("nan")})[0] is None
+
+
+def test_a_run_scored_on_another_validation_set_fails_unranked():
+    summary = {"status": "FINISHED", "val_bpb": 1.0, "val_bpb_se": 0.01, "val_fingerprint": "aaaa", "val_documents": 9}
+    state, value, attrs = outcome(summary, "unused", None, "aaaa")
+    assert (state, value) == (TrialState.COMPLETE, 1.0)
+    assert attrs["val_bpb_se"] == 0.01 and attrs["val_fingerprint"] == "aaaa" and attrs["val_documents"] == 9
+    state, value, attrs = outcome(summary, "unused", ANCHORS | {"name": "val_bpb"}, "bbbb")
+    assert (state, value) == (TrialState.FAIL, None)
+    assert attrs["fail_reason"].startswith("scored on another validation set (val_fingerprint aaaa, the study's is "
+                                           "bbbb: another model.seq_len, tokenizer, data or eval.final_tokens)")
+    assert outcome({**summary, "core": 0.1}, "", {"name": "pareto"}, "bbbb")[0] == TrialState.FAIL
+    no_print = {k: v for k, v in summary.items() if k != "val_fingerprint"}
+    assert outcome(no_print, "", None, "aaaa")[0] == TrialState.FAIL  # a run that cannot say what it was scored on
+    assert outcome(summary, "", None, None)[0] == TrialState.COMPLETE  # a study from before fingerprints
+    pruned = {**summary, "status": "PRUNED", "error": "pruned at checkpoint 1"}
+    assert outcome(pruned, "", None, "bbbb")[0] == TrialState.PRUNED  # no value to rank either way
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -135,6 +152,25 @@ def test_the_report_draws_the_pareto_front(tmp_path):
     assert report["front"] == [0, 1] and report["best"] is None
     assert (tmp_path / "report" / "pareto.png").stat().st_size > 0
     assert "## Pareto front" in report["text"] and "# trial 1" in report["text"]
+
+
+def test_the_report_warns_of_trials_scored_on_different_validation_sets(tmp_path):
+    """Equal token counts on other rows (another seq_len, say) are different sets: the fingerprint tells."""
+    study = optuna.create_study(study_name="sets", storage=open_storage(str(tmp_path / "s.journal")))
+    study.set_user_attr("eval_tokens", {"final_tokens": 4096, "checkpoint_tokens": 1024, "how": "given"})
+    study.set_user_attr("val_fingerprint", "aaaa")
+    distributions = {"x": optuna.distributions.FloatDistribution(0, 2)}
+    for x, fingerprint in [(0.5, "aaaa"), (1.0, "aaaa")]:
+        study.add_trial(create_trial(value=x, params={"x": x}, distributions=distributions,
+                                     user_attrs={"val_tokens": 4096, "val_fingerprint": fingerprint}))
+    text = write_report(study, tmp_path / "one")["text"]
+    assert "different validation sets" not in text
+    assert "eval.final_tokens=4096 (eval.checkpoint_tokens=1024 at each checkpoint), the validation set aaaa." in text
+    study.add_trial(create_trial(value=0.7, params={"x": 0.7}, distributions=distributions,
+                                 user_attrs={"val_tokens": 4096, "val_fingerprint": "bbbb"}))
+    text = write_report(study, tmp_path / "two")["text"]
+    assert ("**Warning**: these trials were evaluated on different validation sets (val_fingerprint aaaa, bbbb): "
+            "their val_bpb do not compare.") in text
 
 
 def importance_study(n_trials):

@@ -112,6 +112,7 @@ def test_a_study_evaluates_every_trial_on_one_set_and_refuses_another(wiki, tmp_
     chosen = study.user_attrs["eval_tokens"]
     tokens = {t.user_attrs["val_tokens"] for t in study.trials}
     assert tokens == {chosen["final_tokens"]}  # the rows every trial was scored on
+    assert {t.user_attrs["val_fingerprint"] for t in study.trials} == {study.user_attrs["val_fingerprint"]}
     assert all(f"eval.final_tokens={chosen['final_tokens']}" in t.user_attrs["overrides"] for t in study.trials)
 
     other = command_in_process("frontier.train", ["--multirun", *auto, *args, "sweep.n_trials=3",
@@ -124,6 +125,20 @@ def test_a_study_evaluates_every_trial_on_one_set_and_refuses_another(wiki, tmp_
     swept = refused_sweep(tmp_path / "c", "sweep=lr", "eval.final_tokens=4096,8192", f"sweep.storage={storage}",
                           "sweep.study_name=two")
     assert swept.returncode == 2 and "eval.final_tokens is not allowed in the search space" in swept.stderr
+
+
+@pytest.mark.slow
+def test_a_trial_scored_on_other_rows_fails_with_the_reason_and_is_not_ranked(wiki, tmp_path):
+    """The same token count on another model.seq_len is other rows: that trial fails, the other is ranked."""
+    storage = str(tmp_path / "study.journal")
+    done = sweep(tmp_path / "a", "sweep=custom", "model.seq_len=128,256", "sweep.sampler=grid", "sweep.pruner=none",
+                 "sweep.confirm=0", f"sweep.storage={storage}", "sweep.study_name=rows")
+    assert done.returncode == 0, done.stdout[-3000:]
+    trials = {t.params["model.seq_len"]: t for t in trials_of(storage, "rows")}
+    assert trials[256].state == TrialState.COMPLETE  # the baseline's seq_len: the study's validation set
+    assert trials[128].state == TrialState.FAIL and trials[128].user_attrs["val_tokens"] == trials[256].user_attrs["val_tokens"]
+    assert trials[128].user_attrs["fail_reason"].startswith("scored on another validation set (val_fingerprint "
+                                                            f"{trials[128].user_attrs['val_fingerprint']}")
 
 
 # -- confirmation ------------------------------------------------------------------------------------

@@ -362,10 +362,10 @@ def test_closing_killed_trials_runs_goes_past_a_run_it_cannot_reach(tmp_path, st
 
 
 def test_run_that_raises_ends_failed(tmp_path, store, monkeypatch):
-    def boom(run, tokens):
+    def boom(run, vset):
         raise RuntimeError("boom at the checkpoint")
 
-    monkeypatch.setattr("frontier.trainer.evaluate_checkpoint", boom)
+    monkeypatch.setattr("frontier.trainer.evaluate", boom)  # the first evaluation is a checkpoint's
     uri = store
     with pytest.raises(RuntimeError, match="boom"):
         train(compose_cfg(f"tracking.uri={uri}"), tmp_path / "run")
@@ -778,6 +778,25 @@ def test_leaderboard_orders_runs_and_shows_differences(tmp_path, store, capsys):
                                        "that budget; theirs: phase1, phase2\n")
     assert leaderboard.main([f"tracking.uri={uri}", "experiment=missing"]) == 2  # a mistake: one sentence
     assert leaderboard.main(["depth"]) == 2
+
+
+def test_leaderboard_flags_runs_scored_on_another_validation_set(tmp_path, store, capsys):
+    uri = store
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sets", artifact_location=(tmp_path / "artifacts").as_uri())
+    base = {"model.depth": 10, "budget.name": "phase1"}
+    add_run(client, exp, "best", {**base, "seed": 1}, {"val_bpb": 1.00}, tags={"val_fingerprint": "aaaa"})
+    add_run(client, exp, "same-set", {**base, "seed": 2}, {"val_bpb": 1.02}, tags={"val_fingerprint": "aaaa"})
+    add_run(client, exp, "other-set", {**base, "seed": 3}, {"val_bpb": 1.01}, tags={"val_fingerprint": "bbbb"})
+    add_run(client, exp, "unknown-set", {**base, "seed": 4}, {"val_bpb": 1.03})  # recorded before fingerprints
+    assert leaderboard.main([f"tracking.uri={uri}", "experiment=sets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = {line.split()[1]: line for line in lines[2:6]}
+    assert body["best"].endswith("(best)") and body["same-set"].endswith("seed=2")
+    assert body["other-set"].endswith("seed=3 val_fingerprint=bbbb (another validation set)")
+    assert body["unknown-set"].endswith("seed=4 val_fingerprint=- (another validation set)")
+    groups = lines[lines.index("configurations trained with several seeds (val_bpb mean +- sd, best mean first):") + 1:]
+    assert groups == ["1  1.0100 +- 0.0141  2 seeds  (best)"]  # only the two runs scored on one set
 
 
 def test_phase2_scores_hand_computed():

@@ -466,7 +466,7 @@ def test_a_failed_trials_run_the_store_could_not_close_is_closed_at_the_sweeps_e
     end_trial(sweep.study, trial._trial_id, TrialState.FAIL, None, {"mlflow_run_id": run_id})
     server.kill()
     sweep.close_trial_runs([sweep.study._storage.get_trial(trial._trial_id)])
-    assert sweep.unclosed == {run_id}
+    assert list(sweep.unclosed) == [run_id]
     server.start()
     sweep.end_tracking("KILLED", {}, [])
     assert client.get_run(run_id).info.status == "KILLED" and not sweep.unclosed

@@ -11,7 +11,7 @@ from frontier import data as data_module
 from frontier import load_for_eval
 from frontier.checkpoint import load_tokenizer
 from frontier.config import to_config
-from frontier.data import load_corpus, load_tokenizer as data_tokenizer, resolve_splits, validation_rows
+from frontier.data import load_corpus, load_tokenizer as data_tokenizer, resolve_splits, validation_set
 from frontier.device import resolve_device
 from frontier.evaluate import val_bpb
 from frontier.model import GPT
@@ -23,12 +23,12 @@ SUMMARY_KEYS = {"val_bpb", "params", "flops_per_token", "steps", "tokens_seen", 
                 "budget_seconds", "charged_seconds", "excluded_seconds", "budget_utilization", "device", "status"}
 
 
-def validation_set(raw):
+def run_validation_set(raw):
     config = to_config(raw)
     train_split, val_split = resolve_splits(config.data)
     tokenizer = data_tokenizer(config.data, train_split)
     corpus = load_corpus(val_split, tokenizer, config.data, "val")
-    return tokenizer, validation_rows(corpus, config.model.seq_len, config.eval.final_tokens)
+    return tokenizer, validation_set(corpus, tokenizer, config.model.seq_len, config.eval.final_tokens)
 
 
 @pytest.mark.slow
@@ -43,19 +43,21 @@ def test_a_short_tiny_run_learns_and_leaves_a_loadable_checkpoint(wiki, tmp_path
     assert summary["charged_seconds"] >= seconds and summary["budget_utilization"] >= 1.0
     assert summary["steps"] > 5 and summary["tokens_seen"] == summary["steps"] * 2048
 
-    tokenizer, rows = validation_set(raw)
+    tokenizer, vset = run_validation_set(raw)
+    assert summary["val_fingerprint"] == vset.fingerprint() and summary["val_documents"] == len(vset.documents)
+    assert 0 < summary["val_bpb_se"] < 0.2  # the evaluation's own noise, over its documents
     device = resolve_device("cpu", summary["precision"])  # as the run measured it
     torch.manual_seed(0)
     untrained = GPT(to_config(raw).model, tokenizer.vocab_size)
-    untrained_bpb, _ = val_bpb(untrained, rows, tokenizer.token_bytes, device, batch_rows=8)
+    untrained_bpb = val_bpb(untrained, vset, tokenizer.token_bytes, device, batch_rows=8).val_bpb
     assert bpb < untrained_bpb - 0.5, (bpb, untrained_bpb)
 
     model = load_for_eval(tmp_path / "final.pt", "cpu")
-    reloaded, _ = val_bpb(model, rows, tokenizer.token_bytes, device, batch_rows=8)
-    assert math.isclose(reloaded, bpb, rel_tol=1e-3)
+    reloaded = val_bpb(model, vset, tokenizer.token_bytes, device, batch_rows=8)
+    assert math.isclose(reloaded.val_bpb, bpb, rel_tol=1e-3) and math.isclose(reloaded.se, summary["val_bpb_se"], rel_tol=1e-2)
     assert load_tokenizer(tmp_path / "final.pt").fingerprint() == tokenizer.fingerprint()
     with torch.no_grad():
-        logits = model(rows[:1, :-1])
+        logits = model(vset.rows[:1, :-1])
     assert logits.shape == (1, 256, tokenizer.vocab_size) and logits.dtype == torch.float32
 
 
@@ -191,7 +193,7 @@ def test_an_mfu_above_one_is_kept_with_a_note_and_a_warning(capsys):
     clock.add_step(1.0, tokens=1000)
     summary = {"flops_per_token": 1e6, "peak_flops": 2e8, "peak_flops_source": "measured 2026-11-30"}
     run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=2000)
-    summarize(run, None, 0)
+    summarize(run, None)
     assert summary["tokens_per_second"] == 1000.0 and summary["mfu"] == 5.0
     assert "measured 2026-11-30" in summary["mfu_note"] and summary["excluded_seconds_per_launch"] == [3.0]
     assert capsys.readouterr().err.startswith("warning: mfu 5.00 is above 1")
@@ -228,6 +230,6 @@ def test_on_a_cpu_mfu_is_taken_per_cpu_second():
     clock.add_step(2.0, tokens=1000, cpu_seconds=2.0)  # 2 s of wall, but only 1 s on each of 2 threads: a busy neighbour
     summary = {"flops_per_token": 1e6, "peak_flops": 2e9, "threads": 2, "mfu_basis": "cpu time"}
     run = SimpleNamespace(config=SimpleNamespace(budget=clock.cfg), clock=clock, summary=summary, tokens_seen=1000)
-    summarize(run, None, 0)
+    summarize(run, None)
     assert summary["tokens_per_second"] == 500.0 and summary["tokens_per_cpu_second"] == 500.0
     assert summary["mfu"] == 0.5  # 500 tokens per CPU-second x 2 threads x 1 MFLOP against 2 GFLOP/s

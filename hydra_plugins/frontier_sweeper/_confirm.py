@@ -58,9 +58,11 @@ def make_plan(study: Study, top: int, blocks: int, max_blocks: int, run_seed: in
     searched = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if not is_confirmation(t)]
     baseline = {}
     if top_rung is not None:
-        searched = [t for t in searched if t.user_attrs.get(RUNG, 0) == top_rung[0] and not t.user_attrs.get(LADDER_BASELINE)]
+        searched = [t for t in searched
+                    if t.user_attrs.get(RUNG, 0) == top_rung[0] and not t.user_attrs.get(LADDER_BASELINE)]
         baseline = {BUDGET: top_rung[1]}
     ranked = sorted(searched, key=lambda t: t.value)
+    ranked = [t for t in ranked if str(t.number) not in study.user_attrs.get("contended", {})]  # slowed: re-run
     if not ranked:
         return None
     configs, seen = [{"label": BASELINE, "params": baseline}], []

@@ -55,12 +55,13 @@ def taken(trials: list[FrozenTrial], rung: int) -> set[tuple]:
     return found
 
 
-def promotion(trials: list[FrozenTrial], rung: int, promote: float) -> FrozenTrial | None:
-    """The finished trial of `rung` whose configuration climbs next, or None while none may."""
+def promotion(trials: list[FrozenTrial], rung: int, promote: float, contended=()) -> FrozenTrial | None:
+    """The finished trial of `rung` whose configuration climbs next, or None while none may (a contended
+    trial, by number in `contended`, is not ranked: its re-run is, _fairness.py)."""
     best: dict[tuple, FrozenTrial] = {}
     for trial in trials:
         if (trial.state == TrialState.COMPLETE and rung_of(trial) == rung and not is_confirmation(trial)
-                and not is_baseline(trial)):
+                and not is_baseline(trial) and str(trial.number) not in contended):
             key = configuration(trial.params)
             if key not in best or (trial.value, trial.number) < (best[key].value, best[key].number):
                 best[key] = trial
@@ -72,11 +73,12 @@ def promotion(trials: list[FrozenTrial], rung: int, promote: float) -> FrozenTri
     return next((t for t in ranked[:allowed] if configuration(t.params) not in climbed), None)
 
 
-def next_climb(trials: list[FrozenTrial], rungs: list[float], promote: float) -> tuple[dict, dict] | None:
+def next_climb(trials: list[FrozenTrial], rungs: list[float], promote: float,
+               contended=()) -> tuple[dict, dict] | None:
     """The next trial the ladder needs, as (params, user attributes), or None: the highest promotion
     first, then a baseline missing at the first rung or at a rung some configuration reached."""
     for rung in reversed(range(1, len(rungs))):
-        found = promotion(trials, rung - 1, promote)
+        found = promotion(trials, rung - 1, promote, contended)
         if found is not None:
             return ({**dict(configuration(found.params)), BUDGET: rungs[rung]},
                     {RUNG: rung, PROMOTED_FROM: found.number})

@@ -109,18 +109,32 @@ class ParentRun:
                         f"{status}")
 
     def close_trial_runs(self, trials: list[FrozenTrial]) -> None:
-        """MLflow runs of FAIL trials whose process died before it could end them: KILLED. A run the
-        store could not close (it was down) is tried again with the next ones and at the sweep's end."""
+        """MLflow runs of FAIL trials whose process died before it could end them: KILLED, with the
+        trial's fail_reason as their `error` tag. A run the store could not close (it was down) is tried
+        again with the next ones and at the sweep's end."""
         if not self.config.tracking.enabled:
             return
         from frontier import store
 
         with self.closing:
-            self.unclosed.update(t.user_attrs["mlflow_run_id"] for t in trials
-                                 if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id"))
+            self.unclosed.update({t.user_attrs["mlflow_run_id"]: t.user_attrs.get("fail_reason", "")
+                                  for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("mlflow_run_id")})
             if not self.unclosed:
                 return
-            failed = store.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED")
+            failed = store.close_runs(OmegaConf.to_object(self.config.tracking), sorted(self.unclosed), "KILLED",
+                                      self.unclosed)
             for run_id, error in failed.items():
                 log.warning(f"could not close the MLflow run {run_id} yet (tried again later): {error}")
-            self.unclosed = set(failed)
+            self.unclosed = {run_id: self.unclosed[run_id] for run_id in failed}
+
+    def tag_trial_run(self, trial: FrozenTrial, tags: dict[str, str]) -> None:
+        """Tags on a trial's MLflow run, ended or not; a store that fails is a warning (the study has it)."""
+        run_id = trial.user_attrs.get("mlflow_run_id")
+        if not self.config.tracking.enabled or not run_id:
+            return
+        from frontier import store
+
+        try:
+            store.tag_run(OmegaConf.to_object(self.config.tracking), run_id, tags)
+        except Exception as err:
+            log.warning(f"could not tag the MLflow run {run_id} of trial {trial.number} ({store_error_line(err)})")

@@ -91,6 +91,8 @@ class StudyStorage:
         self.check_confirmable(study)
         self.eval_tokens = self.study_eval_tokens(study)
         study.set_user_attr("eval_tokens", self.eval_tokens)
+        # every trial's val_bpb must be scored on these rows: frontier.study.outcome refuses another's
+        study.set_user_attr("val_fingerprint", self.study_val_fingerprint(study))
         study.set_user_attr("pruner", self.pruner)
         study.set_user_attr("objective", self.objective.describe())
         study.set_user_attr("overrides", self.fixed)
@@ -131,6 +133,22 @@ class StudyStorage:
             return {**given, "how": "given"}
         final, checkpoint, why = self.sized_eval_tokens()  # the command's own values where it gives them
         return {"final_tokens": final, "checkpoint_tokens": checkpoint, "how": why}
+
+    def study_val_fingerprint(self, study: optuna.Study) -> str:
+        """The fingerprint of the validation set every trial is scored on: the study's once a driver
+        recorded it, else that of the baseline's rows (its data, tokenizer and model.seq_len) at the
+        study's eval.final_tokens. Equal token counts are not equal rows: another seq_len or tokenizer
+        scores other text."""
+        recorded = study.user_attrs.get("val_fingerprint")
+        if recorded:
+            return recorded
+        from frontier.data import load_corpus, load_tokenizer, resolve_splits, validation_set
+
+        config = run_config(self.baseline)
+        train, val = resolve_splits(config.data)
+        tokenizer = load_tokenizer(config.data, train)
+        return validation_set(load_corpus(val, tokenizer, config.data, "val"), tokenizer, config.model.seq_len,
+                              self.eval_tokens["final_tokens"]).fingerprint()
 
     def sized_eval_tokens(self) -> tuple[int, int, str]:
         import torch

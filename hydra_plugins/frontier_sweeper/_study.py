@@ -33,6 +33,7 @@ from frontier.config import ConfigError, SweepConfig, error_line, store_error_li
 from frontier.study import Process, ask_lock, record_driver, safe_storage, settle_orphans, study_storage, trial_seed
 from hydra_plugins.frontier_sweeper._confirm import (blocks_at_most, confirmation_running, extended, make_plan,
                                                      next_run, search_running, seeds_per_configuration, verdict_of)
+from hydra_plugins.frontier_sweeper._fairness import FairTrials
 from hydra_plugins.frontier_sweeper._frontier import (BUDGET, Family, check_fits, check_space, family,
                                                       next_after_grid)
 from hydra_plugins.frontier_sweeper._ladder import ladder_space, next_climb
@@ -135,7 +136,7 @@ def default_trial_timeout(budget, seconds: float) -> float:
     return seconds + budget.startup_cap_seconds + max(600.0, 0.5 * seconds)
 
 
-class Sweep(StudyStorage, ParentRun, Workers):
+class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
     def __init__(self, config: DictConfig, arguments: list[str], config_loader, launcher=None) -> None:
         self.config, self.arguments = config, arguments
         self.sweep: SweepConfig = OmegaConf.to_object(config.sweep)  # range checks of every key
@@ -210,7 +211,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
         self.heartbeat = threading.Thread(target=self.driver_heartbeat, name="driver-heartbeat", daemon=True)
         self.kill_deadline = math.inf  # when trials still running after an interrupt are killed
         self.closing = threading.Lock()
-        self.unclosed: set[str] = set()  # MLflow runs of FAIL trials still to be closed
+        self.unclosed: dict[str, str] = {}  # MLflow runs of FAIL trials still to be closed, and why they failed
 
     def grid_axes(self, config: DictConfig) -> Family | None:
         """Adds sweep.budgets and a frontier's shapes and learning-rate scales to the search space."""
@@ -298,6 +299,7 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 reason = trial.user_attrs.get("fail_reason") or f"value {trial.value}"
                 log.warning(f"trial {trial.number} {trial.state.name}: its process is gone ({reason})")
             self.close_trial_runs(settled)
+            self.judge_speeds()
             if not self.stopping.is_set():
                 self.stop_reason = self.limit_reached()
                 if self.stop_reason:
@@ -309,10 +311,10 @@ class Sweep(StudyStorage, ParentRun, Workers):
                 climb = self.climb()
                 if climb is not None and climb is not WAIT:  # a climb before a new proposal, as in ASHA
                     return self.enqueued(*climb)
-                if self.search_ended(self.study):
+                if self.search_ended(self.study):  # contended trials run again before anything that ranks
                     if climb is WAIT:  # a running trial may still climb
                         return WAIT
-                    found = self.next_frontier_trial()
+                    found = self.next_rerun() or self.next_frontier_trial()
                     return found if found is not None else self.next_confirmation()
                 return self.study.ask(self.space)
 
@@ -321,7 +323,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         ended = self.search_ended(self.study)
-        if ended and not self.confirm_seeds and self.after_grid() is None and self.climb() is None:
+        if (ended and not self.confirm_seeds and self.after_grid() is None and not self.reruns_due()
+                and self.climb() is None):
             return ended
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
@@ -347,7 +350,8 @@ class Sweep(StudyStorage, ParentRun, Workers):
         due but a running trial may still make one; None when there is no ladder or it has no more."""
         if self.sweep.ladder is None:
             return None
-        found = next_climb(self.study.get_trials(deepcopy=False), list(self.sweep.ladder), self.sweep.promote)
+        found = next_climb(self.study.get_trials(deepcopy=False), list(self.sweep.ladder), self.sweep.promote,
+                           self.study.user_attrs.get("contended", {}))
         return found if found is not None else WAIT if search_running(self.study) else None
 
     def enqueued(self, params: dict, attrs: dict) -> optuna.Trial:

@@ -3,10 +3,10 @@ how a trial's end is settled."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +38,7 @@ class Slot:
 
     label: str
     env: dict[str, str]
+    kind: str = ""  # what runs its trials (a GPU's name, a CPU and its threads): their speeds compare within a kind
 
 
 def _visible_ids(variable: str, count: int) -> list[str]:
@@ -83,13 +84,19 @@ def device_slots(device: str, n_jobs: int, per_trial: int = 1) -> list[Slot]:
         if cap.isdigit() and int(cap) > 0:
             threads = min(threads, int(cap))
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        return [Slot(f"cpu ({threads} threads)", env) for _ in range(n_jobs)]
+        from frontier.bench_results import cpu_family
+
+        return [Slot(f"cpu ({threads} threads)", env, f"{cpu_family()} cpu, {threads} threads") for _ in range(n_jobs)]
     if n_jobs * per_trial > len(ids):
         raise ConfigError(f"sweep.n_jobs={n_jobs} is not allowed: this machine has {len(ids)} {kind} "
                           f"device(s) ({variable}={','.join(ids) or 'none'}), so at most "
                           f"{len(ids) // per_trial} trials of sweep.devices_per_trial={per_trial}")
-    groups = [",".join(ids[i * per_trial:(i + 1) * per_trial]) for i in range(n_jobs)]
-    return [Slot(f"{kind} {variable}={group}", {variable: group}) for group in groups]
+    groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(n_jobs)]
+    # torch numbers the visible devices in the order the variable lists them
+    names = [" + ".join(torch.cuda.get_device_name(ids.index(i)) if kind == "cuda" else kind for i in group)
+             for group in groups]
+    return [Slot(f"{kind} {variable}={','.join(group)}", {variable: ','.join(group)}, name)
+            for group, name in zip(groups, names)]
 
 
 def trainer_command(per_trial: int = 1) -> list[str]:
@@ -123,14 +130,30 @@ class SweepDirUnwritable(Exception):
     """The sweep's folder cannot be written (a full disk)."""
 
 
-FULL_DISK_BYTES = 1 << 20  # less free than this where a trial failed: its records could not be written
+PROBE_BYTES = 1 << 20  # a folder that cannot take this much more cannot take a trial's records
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+UNWRITABLE = (*NO_SPACE, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def disk_full(folder: Path) -> bool:
+def unwritable(folder: Path, fail_reason: str) -> str | None:
+    """Why trials cannot write into `folder`, judged when one failed with `fail_reason`: the OS's "No space
+    left on device" in that reason (the failed write's own files are gone by now, so the disk may no longer
+    look full), or the OS's reason for refusing a write there now (full, read-only, not permitted)."""
+    found = next((os.strerror(code) for code in NO_SPACE if os.strerror(code) in fail_reason), None)
+    if found is not None:
+        return found
+    probe = folder / ".write-probe"
     try:
-        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
-    except OSError:
-        return False
+        with open(probe, "wb") as out:
+            out.write(bytes(PROBE_BYTES))
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as err:
+        return os.strerror(err.errno) if err.errno in UNWRITABLE else None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
 
 
 def signal_session(process: subprocess.Popen, sig: int) -> None:
@@ -212,11 +235,13 @@ class Workers:
             if self.parent_run_id is not None:
                 extra += [f"tracking.parent_run_id={self.parent_run_id}", as_override("tracking.run_name", name)]
             for key, value in {"overrides": overrides, "run_dir": str(run_dir), "host": socket.gethostname(),
-                               "device": slot.label, "driver": str(self.driver),
-                               "launched": self.launched is not None}.items():
+                               "device": slot.label, "device_kind": slot.kind or slot.label,
+                               "driver": str(self.driver), "launched": self.launched is not None}.items():
                 trial.set_user_attr(key, value)
+            rerun_of = trial.user_attrs.get("rerun_of")
             log.info(f"trial {trial.number} started on {slot.label}: {' '.join(params)}"
-                     + (f" (confirmation: {confirm}, seed={seed})" if confirm is not None else ""))
+                     + (f" (confirmation: {confirm}, seed={seed})" if confirm is not None else "")
+                     + (f" (re-run of the contended trial {rerun_of})" if rerun_of is not None else ""))
             started = time.monotonic()
             self.study._storage.record_heartbeat(trial._trial_id)  # its silence counts from the launch
             if self.launched is not None:
@@ -335,6 +360,12 @@ class Workers:
                     self.stop_trial(trial, process, f"killed by its driver: it sent no heartbeat for "
                                                     f"sweep.grace_period={self.sweep.grace_period} s", signal.SIGKILL)
 
+    def not_counted(self, number: int, reason: str) -> None:
+        """Trial `number` failed for want of a writable folder, not for its parameters: it does not count
+        toward sweep.n_trials (_objective.py), so the study gets all its trials once there is space."""
+        with self.locked():
+            self.study.set_user_attr("uncounted", {**self.study.user_attrs.get("uncounted", {}), str(number): reason})
+
     def stop_trial(self, trial: optuna.Trial, process: subprocess.Popen, reason: str, sig: int) -> None:
         """Records the trial FAIL with `reason` first (a killed process cannot), then signals it:
         SIGTERM lets it write resume.pt and close its MLflow run; SIGKILL ends a hung one. A trial whose
@@ -355,7 +386,8 @@ class Workers:
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state == TrialState.RUNNING:
             reason = killed or describe_exit(returncode, run_dir / "output.log")
-            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"))
+            state, value, attrs = outcome(read_summary(run_dir), reason, self.study.user_attrs.get("objective"),
+                                          self.study.user_attrs.get("val_fingerprint"))
             end_trial(self.study, trial._trial_id, state, value, attrs)
             frozen = storage.get_trial(trial._trial_id)
         with self.lock:
@@ -363,9 +395,15 @@ class Workers:
             if frozen.state == TrialState.FAIL:
                 self.failures += 1
         self.close_trial_runs([frozen])
-        if frozen.state == TrialState.FAIL and disk_full(run_dir):  # every next trial would fail the same way
-            raise SweepDirUnwritable(f"the disk of its folder {self.sweep_dir} is full (trial {trial.number} failed: "
-                                     f"{frozen.user_attrs.get('fail_reason', '')})")
+        if frozen.state == TrialState.FAIL:  # every next trial would fail the same way: the sweep stops
+            reason = frozen.user_attrs.get("fail_reason", "")
+            why = unwritable(self.sweep_dir, reason)
+            if why is not None:
+                self.not_counted(frozen.number, reason)
+                where = (f"the disk of its folder {self.sweep_dir} is full" if why in map(os.strerror, NO_SPACE)
+                         else f"its folder {self.sweep_dir} cannot be written ({why})")
+                raise SweepDirUnwritable(f"{where} (trial {trial.number} failed: {reason}); once it can be written, "
+                                         "the same command goes on with the study, without counting that trial")
         message = {TrialState.COMPLETE: ", ".join(f"{name} {value:.4f}" for name, value in
                                                 zip(self.objective.value_names, frozen.values or ())),
                    TrialState.PRUNED: frozen.user_attrs.get("prune_reason", "pruned")}.get(
