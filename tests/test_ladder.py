@@ -158,6 +158,7 @@ def test_a_ladder_sweep_climbs_confirms_at_the_top_rung_and_reports(wiki, tmp_pa
     storage = str(tmp_path / "study.journal")
     args = [*[o for o in SWEEP_TINY if not o.startswith("eval.core")], "sweep=ladder", "sweep.ladder=[2,4]",
             "sweep.n_trials=3", "sweep.n_jobs=1", "sweep.confirm=2", f"sweep.storage={storage}",
+            "sweep.min_relative_speed=0.01",  # other tests share the machine: no re-runs
             "sweep.study_name=ladder", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     done = subprocess.run([sys.executable, "-m", "frontier.train", "--multirun", *args], cwd=ROOT, text=True,
                           timeout=900, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -187,6 +188,7 @@ def test_a_ladder_killed_between_rungs_completes_on_a_rerun_with_nothing_repeate
     storage = str(tmp_path / "study.journal")
     args = [*[o for o in SWEEP_TINY if not o.startswith("eval.core")], "sweep=ladder", "sweep.ladder=[2,4]",
             "sweep.n_trials=3", "sweep.n_jobs=1", "sweep.confirm=0", f"sweep.storage={storage}",
+            "sweep.min_relative_speed=0.01",  # other tests share the machine: no re-runs
             "sweep.study_name=ladder"]
     command = [sys.executable, "-m", "frontier.train", "--multirun", *args]
     driver, seen = start_until(command + [f"hydra.sweep.dir={tmp_path / 'a'}"], f"{BUDGET}=4.0")
