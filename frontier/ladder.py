@@ -224,6 +224,8 @@ def plot(study, out_dir: Path) -> list[Path]:
                 color="black" if baseline else None, lw=2 if baseline else 1, alpha=1 if baseline else 0.6,
                 label="baseline" if baseline else None)
     ax.set_xscale("log")
+    ax.set_xticks(found["rungs"], [f"{seconds:g} s" for seconds in found["rungs"]])
+    ax.minorticks_off()
     ax.set_xlabel("budget (charged seconds)")
     ax.set_ylabel("val_bpb")
     ax.set_title("val_bpb per configuration across the ladder's rungs")
