@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from frontier import paths, sizing  # noqa: F401  (sizing registers ${frontier.sized:...})
+from frontier import budget_keys, paths, sizing  # noqa: F401  (sizing registers ${frontier.sized:...})
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the source tree (git tags); files go under paths.home()
 
@@ -453,6 +453,8 @@ class SweepConfig:
     confirm_max: Optional[int] = None  # blocks at most while the verdict is unresolved; null: twice `confirm`
     equivalence: float = 0.002  # the val_bpb difference that does not matter: ~1 place in the competition's top 10
     budgets: Optional[list[float]] = None  # budget.seconds of each trial, a grid axis; null: the run's budget
+    ladder: Optional[list[float]] = None  # increasing budgets: the best `promote` share of a rung trains the next
+    promote: float = 1 / 3  # the share of a rung's finished configurations that climbs (frontier/ladder.py)
     frontier: Optional[FrontierConfig] = None  # a frontier sweep's family of shapes (sweeps/frontier.yaml)
     validate: int = 0  # seeds of the frontier fit's optimum shape and its two neighbours, trained after the fit
     min_relative_speed: float = 0.8  # below this share of its shape's median tokens/s a trial is contended
@@ -503,13 +505,7 @@ class SweepConfig:
         _require(self.equivalence >= 0, "sweep.equivalence", self.equivalence, "a val_bpb difference >= 0")
         _require(self.grace_period > self.heartbeat_interval, "sweep.grace_period", self.grace_period,
                  f"must be longer than sweep.heartbeat_interval={self.heartbeat_interval}")
-        if self.budgets is not None:
-            _require(len(self.budgets) >= 1 and all(b > 0 for b in self.budgets)
-                     and len(set(self.budgets)) == len(self.budgets), "sweep.budgets", list(self.budgets),
-                     "distinct positive seconds, e.g. [60, 240], or null for budget.seconds")
-            _require(len(self.budgets) == 1 or self.pruner == "none", "sweep.pruner", self.pruner,
-                     f"none with several sweep.budgets={list(self.budgets)}: a pruner compares trials at equal "
-                     "fractions of their budgets, which are not equal wall-clock across budgets")
+        budget_keys.check(self, _require)
 
 
 @dataclass

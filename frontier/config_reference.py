@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from frontier import config, paths
+from frontier import budget_keys, config, paths
 
 KERNEL_OP_NOTE = "this op's backend: reference | triton | nki, or null for the preset's choice"
 
@@ -178,6 +178,8 @@ def cell(text: str) -> str:
 def render() -> str:
     hints = typing.get_type_hints(config.Config)
     ranges = checks(ast.parse(inspect.getsource(config)))
+    for key, allowed in checks(ast.parse(inspect.getsource(budget_keys))).items():  # the sweep's budget keys' checks
+        ranges.setdefault(key, []).extend(allowed)
     chosen = group_defaults()
     root_comments = field_comments(config.Config)
     out = [

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from frontier import paths, shapes  # noqa: E402
+from frontier import ladder, paths, shapes  # noqa: E402
 from frontier.cli import command, print_help_if_asked  # noqa: E402
 from frontier.compose import check_writable_path  # noqa: E402
 from frontier.config import ConfigError, error_line  # noqa: E402
@@ -429,6 +429,7 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
                   f"Importances need {MIN_IMPORTANCE_TRIALS} complete trials; this study has {len(complete)}.", ""]
     if confirmed:
         lines += confirmation_lines(confirmed)
+    lines += ladder.report_lines(study)  # a budget ladder's rungs; nothing for any other study
     lines += shapes.report_lines(study)  # a frontier sweep's fit; nothing for any other study
     if account:
         lines += time_lines(account, every, slowed)
@@ -461,6 +462,7 @@ def write_report(study: optuna.Study, out_dir: Path) -> dict:
     if confirmed and any(r["n"] for r in confirmed["rows"]):
         plot_confirmation(confirmed, out_dir / "confirm.png")
         files.append(out_dir / "confirm.png")
+    files += ladder.plot(study, out_dir)
     files += shapes.plot(study, out_dir)
     return {"best": best, "front": [t.number for t in front], "counts": counts, "importances": importances,
             "files": files, "text": text, "confirmation": confirmed, "time": account, "frontier": shapes.summary(study)}

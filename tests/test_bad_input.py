@@ -215,6 +215,22 @@ BAD = [
     (["--multirun", "sweep=lr", "sweep.validate=3"], "sweep.validate=3 is not allowed: 0 (off), or at least 2 seeds "
                                                      "(a comparison needs each shape's spread) on a frontier sweep"),
     (["optim.lr_scale=0"], "optim.lr_scale=0.0 is not allowed: must be positive"),
+    # --multirun: a budget ladder's rungs and promotions
+    (["--multirun", "sweep=ladder", "sweep.ladder=[120,30]"], "sweep.ladder=[120.0, 30.0] is not allowed: at least "
+                                                               "two increasing positive budgets in seconds"),
+    (["--multirun", "sweep=ladder", "sweep.ladder=[0,30]"], "sweep.ladder=[0.0, 30.0] is not allowed: at least two "
+                                                             "increasing positive budgets"),
+    (["--multirun", "sweep=ladder", "sweep.promote=1"], "sweep.promote=1.0 is not allowed: the share of a rung's "
+                                                         "finished configurations that climbs, between 0 and 1"),
+    (["--multirun", "sweep=ladder", "sweep.promote=0"], "sweep.promote=0.0 is not allowed: the share"),
+    (["--multirun", "sweep=ladder", "sweep.budgets=[60]"], "sweep.budgets=[60.0] is not allowed: null with "
+                                                            "sweep.ladder=[30.0, 120.0, 480.0]: the ladder sets"),
+    (["--multirun", "sweep=frontier", "sweep.ladder=[30,120]"], "sweep.ladder=[30.0, 120.0] is not allowed: null in "
+                                                                 "a frontier sweep"),
+    (["--multirun", "sweep=ladder", "sweep.pruner=median"], "sweep.pruner='median' is not allowed: none with "
+                                                             "sweep.ladder=[30.0, 120.0, 480.0]: a pruner compares"),
+    (["--multirun", "sweep=ladder", "budget.seconds=choice(30,60)"], "budget.seconds is not allowed in this search "
+                                                                      "space: sweep.ladder sets it"),
     # --multirun: confirmation's blocks and its equivalence margin
     (["--multirun", "sweep=lr", "sweep.confirm=4", "sweep.confirm_max=3"],
      "sweep.confirm_max=3 is not allowed: at least the 4 blocks confirmation starts with (sweep.confirm)"),

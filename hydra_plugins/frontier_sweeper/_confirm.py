@@ -21,6 +21,8 @@ import random
 from optuna import Study
 from optuna.trial import FrozenTrial, TrialState
 
+from frontier.config import FRONTIER_BUDGET as BUDGET
+from frontier.ladder import BASELINE as LADDER_BASELINE, RUNG
 from frontier.verdict import UNRESOLVED, Verdict, judge
 
 BASELINE = "baseline"
@@ -49,15 +51,21 @@ def search_running(study: Study) -> bool:
 
 
 def make_plan(study: Study, top: int, blocks: int, max_blocks: int, run_seed: int, order_seed: int | None,
-              equivalence: float) -> dict | None:
+              equivalence: float, top_rung: tuple[int, float] | None = None) -> dict | None:
     """The configurations to confirm, the seeds of their first `blocks` blocks (new ones: the search
-    trained with `run_seed`) and what decides more blocks; None when no search trial finished."""
+    trained with `run_seed`) and what decides more blocks; None when no search trial finished. With a
+    budget ladder, `top_rung` (its index, its budget): the top rung's configurations, confirmed at its budget."""
     searched = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if not is_confirmation(t)]
+    baseline = {}
+    if top_rung is not None:
+        searched = [t for t in searched
+                    if t.user_attrs.get(RUNG, 0) == top_rung[0] and not t.user_attrs.get(LADDER_BASELINE)]
+        baseline = {BUDGET: top_rung[1]}
     ranked = sorted(searched, key=lambda t: t.value)
     ranked = [t for t in ranked if str(t.number) not in study.user_attrs.get("contended", {})]  # slowed: re-run
     if not ranked:
         return None
-    configs, seen = [{"label": BASELINE, "params": {}}], []
+    configs, seen = [{"label": BASELINE, "params": baseline}], []
     for trial in ranked:
         if trial.params not in seen and len(seen) < top:
             seen.append(trial.params)

@@ -21,6 +21,7 @@ import statistics
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from frontier.ladder import LADDER_ATTRS
 from hydra_plugins.frontier_sweeper._confirm import search_running
 from hydra_plugins.frontier_sweeper._workers import WAIT
 
@@ -122,5 +123,5 @@ class FairTrials:
         trial = next_rerun(self.study)
         if trial is None:
             return None
-        self.study.enqueue_trial(trial.params, user_attrs={"rerun_of": trial.number})
-        return self.study.ask({key: self.space[key] for key in trial.params})
+        rung = {key: value for key, value in trial.user_attrs.items() if key in LADDER_ATTRS}  # at its rung
+        return self.enqueued(trial.params, {"rerun_of": trial.number, **rung})

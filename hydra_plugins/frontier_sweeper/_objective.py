@@ -19,6 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from frontier.config import FRONTIER_EXTENSION, ConfigError, SweepConfig
+from frontier.ladder import RUNG
 
 
 def normalise(value: float, worst: float, best: float) -> float:
@@ -98,13 +99,13 @@ def trial_values(objective: dict | None, summary: dict) -> tuple[list[float] | N
 
 def counted_trials(study: optuna.Study, count_failed: bool) -> int:
     """Search trials that count toward sweep.n_trials: all of them, or all but the failed ones.
-    Confirmation runs, a frontier's steps beyond its bracket and re-runs of contended trials
-    (_fairness.py) never count, nor a trial that failed because the sweep's folder could not be written
-    (the study's `uncounted`): the same command, given space, runs it again."""
+    Confirmation runs, a frontier's steps beyond its bracket, a ladder's climbs and re-runs of contended
+    trials (_fairness.py) never count, nor a trial that failed because the sweep's folder could not be
+    written (the study's `uncounted`): the same command, given space, runs it again."""
     uncounted = study.user_attrs.get("uncounted", {})
     trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("confirm") is None  # searched
               and not t.user_attrs.get(FRONTIER_EXTENSION) and t.user_attrs.get("rerun_of") is None
-              and str(t.number) not in uncounted]
+              and t.user_attrs.get(RUNG) is None and str(t.number) not in uncounted]
     return len(trials) if count_failed else sum(t.state != TrialState.FAIL for t in trials)
 
 

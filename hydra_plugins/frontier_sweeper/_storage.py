@@ -100,6 +100,8 @@ class StudyStorage:
         study.set_user_attr("budget_seconds", self.config.budget.seconds)
         study.set_user_attr("grace_period", self.sweep.grace_period)  # sweep_report: when a silent driver is gone
         study.set_user_attr("sweep_dir", str(self.sweep_dir))
+        if self.sweep.ladder is not None:  # what frontier/ladder.py reports
+            study.set_user_attr("ladder", {"rungs": list(self.sweep.ladder), "promote": self.sweep.promote})
         if self.family is not None:  # what frontier/shapes.py fits
             study.set_user_attr("frontier", self.family.describe())
         return study

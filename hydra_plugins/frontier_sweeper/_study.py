@@ -36,6 +36,7 @@ from hydra_plugins.frontier_sweeper._confirm import (blocks_at_most, confirmatio
 from hydra_plugins.frontier_sweeper._fairness import FairTrials
 from hydra_plugins.frontier_sweeper._frontier import (BUDGET, Family, check_fits, check_space, family,
                                                       next_after_grid)
+from hydra_plugins.frontier_sweeper._ladder import ladder_space, next_climb
 from hydra_plugins.frontier_sweeper._launch import LaunchedTrials, is_builtin
 from hydra_plugins.frontier_sweeper._objective import Objective, counted_trials
 from hydra_plugins.frontier_sweeper._parent_run import ParentRun, TrackingStartError
@@ -149,6 +150,8 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
         if swept:
             raise ConfigError(f"{swept[0]} is not allowed in the search space: a study compares its trials on "
                               f"one validation set; give it one value ({swept[0]}=N)")
+        first_rung, self.climbs = ladder_space(self.space, self.sweep.ladder)  # proposals train at the first rung
+        self.fixed += first_rung
         self.objective = Objective(self.sweep, config.eval.core, config.eval.core_bundle, self.fixed)
         self.fixed += self.objective.trial_overrides(self.fixed)
         # a Hydra launcher other than the basic one runs each trial as its job (_launch.py)
@@ -186,7 +189,7 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
             self.config, self.fixed + self.trial_overrides(self.family.costliest()) + ["trial.number=0"])
         if self.family is not None:
             check_fits(self.family, run_config(self.sizing_config))
-        longest = max(self.sweep.budgets or [config.budget.seconds])
+        longest = max(self.sweep.budgets or self.sweep.ladder or [config.budget.seconds])
         self.trial_timeout = self.sweep.trial_timeout or default_trial_timeout(config.budget, longest)
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
         self.driver = Process.this()
@@ -305,7 +308,12 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
                 return None
             with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize()"
                 warnings.simplefilter("ignore")
+                climb = self.climb()
+                if climb is not None and climb is not WAIT:  # a climb before a new proposal, as in ASHA
+                    return self.enqueued(*climb)
                 if self.search_ended(self.study):  # contended trials run again before anything that ranks
+                    if climb is WAIT:  # a running trial may still climb
+                        return WAIT
                     found = self.next_rerun() or self.next_frontier_trial()
                     return found if found is not None else self.next_confirmation()
                 return self.study.ask(self.space)
@@ -315,7 +323,8 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
         if self.failures > self.sweep.max_failures:
             return f"{self.failures} trials failed (sweep.max_failures={self.sweep.max_failures})"
         ended = self.search_ended(self.study)
-        if ended and not self.confirm_seeds and self.after_grid() is None and not self.reruns_due():
+        if (ended and not self.confirm_seeds and self.after_grid() is None and not self.reruns_due()
+                and self.climb() is None):
             return ended
         if self.sweep.timeout is not None and time.monotonic() - self.start >= self.sweep.timeout:
             return f"sweep.timeout={self.sweep.timeout:g} s has passed"
@@ -336,13 +345,25 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
             return None
         return next_after_grid(self.family, self.study, self.sweep.validate, self.baseline.seed)
 
+    def climb(self):
+        """A ladder's next climb or baseline (_ladder.py) as (params, user attributes); WAIT while none is
+        due but a running trial may still make one; None when there is no ladder or it has no more."""
+        if self.sweep.ladder is None:
+            return None
+        found = next_climb(self.study.get_trials(deepcopy=False), list(self.sweep.ladder), self.sweep.promote,
+                           self.study.user_attrs.get("contended", {}))
+        return found if found is not None else WAIT if search_running(self.study) else None
+
+    def enqueued(self, params: dict, attrs: dict) -> optuna.Trial:
+        """A trial of the given point, tagged with `attrs` (a trial added beside the sampler's proposals)."""
+        self.study.enqueue_trial(params, user_attrs=attrs)
+        return self.study.ask({key: {**self.space, **self.climbs}[key] for key in params})
+
     def next_frontier_trial(self) -> optuna.Trial | None | object:
         found = self.after_grid()
         if found is None or found is WAIT:
             return found
-        params, attrs = found
-        self.study.enqueue_trial(params, user_attrs=attrs)
-        return self.study.ask({key: self.space[key] for key in params})
+        return self.enqueued(*found)
 
     def next_confirmation(self) -> optuna.Trial | None | object:
         """The next confirmation run (_confirm.py) as a trial; WAIT while a running trial may still change
@@ -373,8 +394,7 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
                      f"adding block {len(more['seeds'])} (seed {more['seeds'][-1]}) of at most {more['max_blocks']}")
             plan, found = more, next_run(self.study, more)
         config, seed = found
-        self.study.enqueue_trial(config["params"], user_attrs={"confirm": config["label"], "confirm_seed": seed})
-        return self.study.ask({key: self.space[key] for key in config["params"]})
+        return self.enqueued(config["params"], {"confirm": config["label"], "confirm_seed": seed})
 
     def confirm_plan(self) -> dict | None:
         """The study's plan, made by the first driver to get here; a later command's sweep.confirm_max
@@ -382,7 +402,8 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
         plan = self.study.user_attrs.get("confirm_plan")
         if plan is None:
             plan = make_plan(self.study, self.sweep.confirm_top, self.confirm_seeds, self.confirm_blocks,
-                             self.baseline.seed, self.sweep.seed, self.sweep.equivalence)
+                             self.baseline.seed, self.sweep.seed, self.sweep.equivalence,
+                             self.sweep.ladder and (len(self.sweep.ladder) - 1, self.sweep.ladder[-1]))
             if plan is not None:
                 self.study.set_user_attr("confirm_plan", plan)
                 log.info(f"confirming {', '.join(c['label'] for c in plan['configs'])} in blocks of one run each, "
