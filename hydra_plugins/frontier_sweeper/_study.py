@@ -357,7 +357,8 @@ class Sweep(StudyStorage, ParentRun, Workers, FairTrials):
     def enqueued(self, params: dict, attrs: dict) -> optuna.Trial:
         """A trial of the given point, tagged with `attrs` (a trial added beside the sampler's proposals)."""
         self.study.enqueue_trial(params, user_attrs=attrs)
-        return self.study.ask({key: {**self.space, **self.climbs}[key] for key in params})
+        space = {**self.space, **self.climbs}
+        return self.study.ask({key: space[key] for key in params})
 
     def next_frontier_trial(self) -> optuna.Trial | None | object:
         found = self.after_grid()
